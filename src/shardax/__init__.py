@@ -1,0 +1,33 @@
+"""shardax: HPC for JAX.
+
+A multi-process runtime that starts and checks runs, MPI-style collectives inside ``jit``/``shard_map`` on every
+backend, and distributed scientific kernels that run the same code on one CPU, many devices and many processes.
+
+Importing shardax changes no JAX configuration and starts no backend.
+"""
+
+from . import comm as comm
+from . import testing as testing
+from ._errors import CapacityError as CapacityError
+from ._errors import DistributedSetupError as DistributedSetupError
+from ._errors import ProgramMismatchError as ProgramMismatchError
+from ._errors import ShardaxError as ShardaxError
+from ._version import __version__ as __version__
+from .core import ALL as ALL
+from .core import RankInfo as RankInfo
+from .core import distributed as distributed
+from .core import rank_info as rank_info
+from .core import smap as smap
+from .runtime import World as World
+from .runtime import device_grid as device_grid
+from .runtime import flat_mesh as flat_mesh
+from .runtime import grid_mesh as grid_mesh
+from .runtime import host_replicate as host_replicate
+from .runtime import initialize as initialize
+from .runtime import world as world
+
+__all__ = [
+    "ALL", "CapacityError", "DistributedSetupError", "ProgramMismatchError", "RankInfo", "ShardaxError", "World",
+    "__version__", "comm", "device_grid", "distributed", "flat_mesh", "grid_mesh", "host_replicate", "initialize",
+    "rank_info", "smap", "testing", "world",
+]

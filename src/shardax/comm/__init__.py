@@ -1,0 +1,1 @@
+"""Collectives inside smap."""

@@ -1,0 +1,347 @@
+"""shard_map extensions: ``ALL``, static arguments, the expanding convention and ``.smap`` constructors."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from ..runtime import flat_mesh
+
+
+class _AllAxes:
+    """Marker for "every mesh axis" in a PartitionSpec entry or as a whole spec (also spelled ``-1``)."""
+
+    _instance: _AllAxes | None = None
+
+    def __new__(cls) -> _AllAxes:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "ALL"
+
+    def __reduce__(self):
+        return (_AllAxes, ())
+
+
+ALL = _AllAxes()
+
+
+def _is_all(entry: Any) -> bool:
+    return entry is ALL or (isinstance(entry, int) and not isinstance(entry, bool) and entry == -1)
+
+
+def _is_spec(x: Any) -> bool:
+    return x is None or isinstance(x, PartitionSpec) or _is_all(x)
+
+
+def resolve_spec(spec: Any, mesh: Mesh, where: str) -> PartitionSpec:
+    """``spec`` with ``ALL``/``-1`` replaced by every axis of ``mesh``; unknown axis names are an error."""
+    axes = tuple(mesh.axis_names)
+    if _is_all(spec):
+        return PartitionSpec(axes)
+    if not isinstance(spec, PartitionSpec):
+        raise TypeError(f"{where}: expected a PartitionSpec, sx.ALL or None, got {spec!r}")
+    entries = []
+    for entry in spec:
+        if _is_all(entry):
+            entries.append(axes)
+            continue
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            entries.append(entry)
+            continue
+        names = (entry,) if isinstance(entry, str) else tuple(entry)
+        for name in names:
+            if name not in axes:
+                raise ValueError(f"{where}: spec {spec} names mesh axis {name!r}, but the mesh has axes {axes}")
+        entries.append(entry)
+    return PartitionSpec(*entries)
+
+
+def _spec_axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _context_mesh() -> Mesh | None:
+    mesh = jax.sharding.get_mesh()
+    if isinstance(mesh, Mesh) and not mesh.empty:
+        return mesh
+    from jax._src import mesh as mesh_lib
+
+    legacy = mesh_lib.thread_resources.env.physical_mesh
+    if isinstance(legacy, Mesh) and not legacy.empty:
+        return legacy
+    return None
+
+
+def default_mesh(mesh: Mesh | None) -> Mesh:
+    """``mesh``, else the context mesh (``jax.set_mesh`` / ``with mesh:``), else :func:`shardax.flat_mesh`."""
+    if mesh is None:
+        return _context_mesh() or flat_mesh()
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+    return mesh
+
+
+def _broadcast_specs(specs: Any, tree: Any, where: str) -> Any:
+    """Specs as a full tree matching ``tree`` (``specs`` is a prefix of it)."""
+    try:
+        return jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), specs, tree, is_leaf=_is_spec)
+    except ValueError as err:
+        raise ValueError(f"{where} does not match the structure of the value: {err}") from None
+
+
+def _check_leaf(x: Any, spec: PartitionSpec, mesh: Mesh, where: str, expand: bool) -> None:
+    shape = np.shape(x)
+    if len(spec) > len(shape):
+        raise ValueError(f"{where} has shape {shape} (rank {len(shape)}) but its spec {spec} has {len(spec)} "
+                         "entries; a spec may not be longer than the array's rank")
+    for dim, entry in enumerate(spec):
+        axes = _spec_axes(entry)
+        if not axes:
+            continue
+        parts = int(np.prod([mesh.shape[a] for a in axes]))
+        if expand and dim == 0:
+            if shape[0] != parts:
+                raise ValueError(
+                    f"{where} has shape {shape}; with expand=True its leading axis must be the number of shards "
+                    f"along {axes} ({parts}), one row per device. Pass expand=False for plain shard_map tiling, "
+                    "or reshape it to (ndev, n, ...).")
+        elif shape[dim] % parts:
+            raise ValueError(f"{where} maps array axis {dim} (of size {shape[dim]}) to mesh axes {axes} (of size "
+                             f"{parts}), but {parts} does not evenly divide {shape[dim]}")
+
+
+def _squeeze_leading(spec: PartitionSpec) -> Callable[[jax.Array], jax.Array]:
+    if spec and spec[0] is not None:
+        return lambda a: a.reshape(a.shape[1:])
+    return lambda a: a
+
+
+def _expand_leading(spec: PartitionSpec) -> Callable[[jax.Array], jax.Array]:
+    if spec and spec[0] is not None:
+        return lambda a: jax.numpy.reshape(a, (1, *jax.numpy.shape(a)))
+    return lambda a: a
+
+
+def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = None, expand: bool = True,
+         jit: bool = False) -> Callable:
+    """``jax.shard_map`` with the conveniences of MPI-style particle codes.
+
+    On top of ``jax.shard_map``:
+
+    - ``sx.ALL`` (or ``-1``) in a spec, or as a whole spec, means every mesh axis, so code never hard-codes axis names;
+    - ``mesh=None`` takes the context mesh (``jax.set_mesh``), else :func:`shardax.flat_mesh`;
+    - ``None`` as a top-level entry of ``in_specs`` marks a static (non-array, hashable) argument;
+    - with ``expand=True`` an input sharded along its leading axis, of global shape ``(ndev, n, ...)``, arrives in
+      ``f`` as ``(n, ...)``, and every output sharded along its leading axis (scalars included) leaves with a
+      leading ``ndev`` axis: jz-tree's expanding shard_map;
+    - ``jit=True`` returns a jitted function (one compilation per set of static values).
+
+    Args:
+        f: the local-view function.
+        in_specs: one spec per positional argument (a tuple), or a single spec for every argument; each may be a
+            pytree prefix of its argument. ``None`` marks a static argument.
+        out_specs: a pytree prefix of ``f``'s output.
+        mesh: the mesh; default as above.
+        expand: the expanding convention above (``False`` gives plain ``shard_map`` tiling).
+        jit: wrap the result in ``jax.jit``.
+
+    Returns:
+        The global function, taking the same arguments as ``f`` (keyword arguments are bound by ``f``'s signature).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, shardax as sx
+        >>> from jax.sharding import PartitionSpec as P
+        >>> def f(seed):
+        ...     rank, ndev, axes = sx.rank_info()
+        ...     pos = jax.random.uniform(jax.random.key(seed + rank), (100, 3))
+        ...     loc = jnp.sum(pos ** 2)
+        ...     return pos, loc, sx.comm.allreduce(loc)
+        >>> pos, loc, total = sx.smap(f, in_specs=(None,), out_specs=(P(sx.ALL), P(sx.ALL), P()), jit=True)(0)
+        >>> pos.shape == (sx.world().device_count, 100, 3) and loc.shape == (sx.world().device_count,)
+        True
+    """
+    if not callable(f):
+        raise TypeError(f"smap needs a callable, got {type(f).__name__}")
+    if not isinstance(expand, bool) or not isinstance(jit, bool):
+        raise TypeError(f"expand and jit must be bool, got expand={expand!r}, jit={jit!r}")
+    try:
+        signature: inspect.Signature | None = inspect.signature(f)
+    except (TypeError, ValueError):
+        signature = None
+    name = getattr(f, "__name__", repr(f))
+    cache: dict[Hashable, Callable] = {}
+
+    def bind(args: tuple, kwargs: dict) -> tuple:
+        if not kwargs:
+            return args
+        if signature is None:
+            raise TypeError(f"{name}: keyword arguments need a function with an inspectable signature")
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return tuple(bound.arguments.values())
+
+    def arg_name(i: int) -> str:
+        if signature is not None:
+            params = list(signature.parameters)
+            if i < len(params):
+                return f"argument {params[i]!r} of {name}"
+        return f"argument {i} of {name}"
+
+    @functools.wraps(f)
+    def global_fn(*args: Any, **kwargs: Any) -> Any:
+        args = bind(args, kwargs)
+        the_mesh = default_mesh(mesh)
+        if isinstance(in_specs, tuple | list) and not isinstance(in_specs, PartitionSpec):
+            specs = tuple(in_specs)
+            if len(specs) != len(args):
+                raise ValueError(f"{name} got {len(args)} argument(s) but in_specs has {len(specs)} entries")
+        else:
+            specs = (in_specs,) * len(args)
+        static = tuple(i for i, s in enumerate(specs) if s is None)
+        static_vals = tuple(args[i] for i in static)
+        try:
+            key = (the_mesh, static, static_vals)
+            hash(key)
+        except TypeError:
+            bad = [arg_name(i) for i, v in zip(static, static_vals, strict=True) if not isinstance(v, Hashable)]
+            raise TypeError(f"{', '.join(bad)} is marked static (in_spec None) but is not hashable; pass arrays "
+                            "with a PartitionSpec instead") from None
+        dyn_idx = tuple(i for i in range(len(args)) if i not in static)
+        dyn_args = tuple(args[i] for i in dyn_idx)
+        dyn_specs = []
+        for i in dyn_idx:
+            full = _broadcast_specs(specs[i], args[i], f"in_specs for {arg_name(i)}")
+            full = jax.tree.map(lambda s, i=i: _resolve_or_replicated(s, the_mesh, f"in_specs for {arg_name(i)}"),
+                                full, is_leaf=_is_spec)
+            leaves, _ = jax.tree.flatten(args[i])
+            spec_leaves = jax.tree.leaves(full, is_leaf=lambda s: isinstance(s, PartitionSpec))
+            for j, (leaf, sp) in enumerate(zip(leaves, spec_leaves, strict=True)):
+                where = arg_name(i) if len(leaves) == 1 else f"leaf {j} of {arg_name(i)}"
+                _check_leaf(leaf, sp, the_mesh, where, expand)
+            dyn_specs.append(full)
+        fn = cache.get(key)
+        if fn is None:
+            fn = _build(f, the_mesh, args, static, tuple(dyn_specs), out_specs, expand, name)
+            if jit:
+                fn = jax.jit(fn)
+                cache[key] = fn
+        return fn(*dyn_args)
+
+    return global_fn
+
+
+def _build(f: Callable, mesh: Mesh, args: tuple, static: tuple[int, ...], dyn_specs: tuple, out_specs: Any,
+           expand: bool, name: str) -> Callable:
+    static_vals = {i: args[i] for i in static}
+    n_args = len(args)
+    is_pspec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+
+    def body(*dyn: Any) -> Any:
+        if expand:
+            dyn = tuple(jax.tree.map(lambda sp, a: _squeeze_leading(sp)(a), s, d, is_leaf=is_pspec)
+                        for s, d in zip(dyn_specs, dyn, strict=True))
+        it = iter(dyn)
+        out = f(*[static_vals[i] if i in static_vals else next(it) for i in range(n_args)])
+        if expand:
+            specs = _broadcast_specs(out_specs, out, f"out_specs of {name}")
+            specs = jax.tree.map(lambda s: _resolve_or_replicated(s, mesh, f"out_specs of {name}"), specs,
+                                 is_leaf=_is_spec)
+            out = jax.tree.map(lambda sp, a: _expand_leading(sp)(a), specs, out, is_leaf=is_pspec)
+        return out
+
+    resolved_out = jax.tree.map(lambda s: _resolve_or_replicated(s, mesh, f"out_specs of {name}"), out_specs,
+                                is_leaf=_is_spec)
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=dyn_specs, out_specs=resolved_out)
+    mapped.__name__ = f"smap({name})"  # type: ignore[attr-defined]
+    return mapped
+
+
+def _resolve_or_replicated(spec: Any, mesh: Mesh, where: str) -> PartitionSpec:
+    return resolve_spec(PartitionSpec() if spec is None else spec, mesh, where)
+
+
+def distributed(f: Callable | None = None, /, *, in_specs: Mapping[str, Any] | None = None, out_specs: Any = ALL,
+                static_argnames: Sequence[str] = (), expand: bool = True) -> Any:
+    """Attach ``f.smap(mesh=None, jit=True)``, which returns the global (shard-mapped) version of ``f``.
+
+    ``f`` itself is left untouched: it stays the local-view function, callable on one device without a mesh or
+    inside another ``smap``.
+
+    Args:
+        f: the local-view function (or use ``@distributed(...)`` as a decorator factory).
+        in_specs: specs by parameter name. Parameters not named are static Python values if listed in
+            ``static_argnames`` or not array-like, else replicated arrays (``P()``).
+        out_specs: a pytree prefix of ``f``'s output (default: every output sharded over all axes).
+        static_argnames: parameters that are always static (must be hashable; a new value recompiles).
+        expand: the expanding convention of :func:`smap`.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, shardax as sx
+        >>> from jax.sharding import PartitionSpec as P
+        >>> @sx.distributed(out_specs=(P(sx.ALL), P()), static_argnames=("n",))
+        ... def draw(n, seed):
+        ...     x = jax.random.normal(jax.random.key(seed + sx.rank_info().rank), (n,))
+        ...     return x, sx.comm.allreduce(jnp.sum(x))
+        >>> x, total = draw.smap()(n=16, seed=0)
+        >>> x.shape == (sx.world().device_count, 16)
+        True
+    """
+    if f is None:
+        return functools.partial(distributed, in_specs=in_specs, out_specs=out_specs,
+                                 static_argnames=static_argnames, expand=expand)
+    if not callable(f):
+        raise TypeError(f"distributed needs a callable, got {type(f).__name__}")
+    named = dict(in_specs or {})
+    static_names = tuple(static_argnames)
+    signature = inspect.signature(f)
+    params = list(signature.parameters)
+    for key in (*named, *static_names):
+        if key not in params:
+            raise ValueError(f"{f.__name__} has no parameter {key!r} (parameters: {params})")
+    overlap = set(named) & set(static_names)
+    if overlap:
+        raise ValueError(f"parameters {sorted(overlap)} are both in in_specs and static_argnames")
+
+    def constructor(mesh: Mesh | None = None, *, jit: bool = True) -> Callable:
+        cache: dict[Hashable, Callable] = {}
+
+        @functools.wraps(f)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            values = dict(bound.arguments)
+            specs = []
+            for p in params:
+                if p in named:
+                    specs.append(named[p])
+                elif p in static_names or not _is_array_like(values[p]):
+                    specs.append(None)
+                else:
+                    specs.append(PartitionSpec())
+            key = tuple(s is None for s in specs)
+            fn = cache.get(key)
+            if fn is None:
+                fn = smap(f, in_specs=tuple(specs), out_specs=out_specs, mesh=mesh, expand=expand, jit=jit)
+                cache[key] = fn
+            return fn(*(values[p] for p in params))
+
+        return call
+
+    f.smap = constructor  # type: ignore[attr-defined]
+    return f
+
+
+def _is_array_like(value: Any) -> bool:
+    leaves = jax.tree.leaves(value)
+    return bool(leaves) and all(isinstance(x, jax.Array | np.ndarray | np.generic) for x in leaves)

@@ -1,0 +1,127 @@
+"""Start (or join) a multi-process run: :func:`initialize`."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import jax
+
+from .._errors import DistributedSetupError
+from ._env import LaunchInfo, detect
+from ._world import World, world
+
+_lock = threading.Lock()
+_started: LaunchInfo | None = None
+
+
+def _backend_started() -> bool:
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def _set_cpu_devices(count: int) -> None:
+    current = jax.config.jax_num_cpu_devices
+    if current == count:
+        return
+    if _backend_started():
+        have = len(jax.local_devices(backend="cpu"))
+        if have == count:
+            return
+        raise DistributedSetupError(
+            f"cpu_devices={count} was asked for, but the JAX backend already started with {have} CPU device(s): "
+            "call sx.initialize(...) before any other JAX call (creating an array or listing devices starts "
+            "the backend)")
+    jax.config.update("jax_num_cpu_devices", count)
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, *, local_device_ids: int | list[int] | None = None,
+               cpu_devices: int | None = None, timeout_s: int = 300) -> World:
+    """Join the multi-process run this process belongs to and return its :class:`World`.
+
+    Sources, in order: explicit arguments; the variables ``shardax launch`` sets (``SHARDAX_*``); cluster detection
+    (Slurm, Open MPI 4 and Open MPI 5/PMIx); else a single process (``jax.distributed`` is not started).
+    Idempotent: a second call with compatible arguments returns the same world. On CPU it keeps cross-process
+    collectives on (gloo) so that ``psum`` and friends work between processes.
+
+    Args:
+        coordinator_address: ``"host:port"`` of process 0's coordinator service.
+        num_processes: number of processes in the run.
+        process_id: this process's index.
+        local_device_ids: restrict this process to these local devices (GPU per-process binding).
+        cpu_devices: give each process this many CPU devices (``jax_num_cpu_devices``); must be set before the
+            backend starts.
+        timeout_s: how long to wait for the other processes to join.
+
+    Returns:
+        The :class:`World` of the run.
+
+    Raises:
+        DistributedSetupError: the backend already started with incompatible settings, the processes drive unequal
+            numbers or kinds of devices, or the others did not join within ``timeout_s``.
+
+    Example:
+        >>> import shardax as sx
+        >>> w = sx.initialize()          # under `shardax launch`, srun or mpirun it finds the others
+        >>> w.num_processes >= 1
+        True
+    """
+    global _started
+    explicit = [coordinator_address, num_processes, process_id]
+    if any(v is not None for v in explicit) and num_processes != 1 and not all(v is not None for v in explicit):
+        raise ValueError("pass coordinator_address, num_processes and process_id together (or none of them to "
+                         f"detect them); got coordinator_address={coordinator_address!r}, "
+                         f"num_processes={num_processes!r}, process_id={process_id!r}")
+    if num_processes is not None:
+        if num_processes == 1:
+            info = LaunchInfo(None, 1, 0, "explicit", cpu_devices)
+        else:
+            assert process_id is not None
+            if not 0 <= process_id < num_processes:
+                raise ValueError(f"process_id={process_id} is outside [0, num_processes={num_processes})")
+            info = LaunchInfo(coordinator_address, num_processes, process_id, "explicit", cpu_devices)
+    else:
+        info = detect()
+    if cpu_devices is None:
+        cpu_devices = info.cpu_devices
+    if cpu_devices is not None and (not isinstance(cpu_devices, int) or cpu_devices < 1):
+        raise ValueError(f"cpu_devices must be a positive int, got {cpu_devices!r}")
+    if not isinstance(timeout_s, int | float) or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+
+    with _lock:
+        if _started is not None:
+            same = (_started.num_processes, _started.process_id) == (info.num_processes, info.process_id)
+            if not same:
+                raise DistributedSetupError(
+                    f"shardax.initialize was already called as process {_started.process_id} of "
+                    f"{_started.num_processes} (from {_started.source}); now asked for process {info.process_id} "
+                    f"of {info.num_processes}")
+            if cpu_devices is not None:
+                _set_cpu_devices(cpu_devices)
+            return world()
+        if cpu_devices is not None:
+            _set_cpu_devices(cpu_devices)
+        if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        from jax._src import distributed
+
+        already = distributed.global_state.client is not None
+        if info.num_processes > 1 and not already:
+            if _backend_started():
+                raise DistributedSetupError(
+                    "the JAX backend already started in this process, so it cannot join a run of "
+                    f"{info.num_processes} processes: call sx.initialize() first, before any other JAX call")
+            try:
+                jax.distributed.initialize(info.coordinator_address, info.num_processes, info.process_id,
+                                           local_device_ids=local_device_ids,
+                                           initialization_timeout=int(timeout_s))
+            except Exception as err:  # jaxlib raises XlaRuntimeError/RuntimeError with the cause in the text
+                raise DistributedSetupError(
+                    f"process {info.process_id} of {info.num_processes} could not join the run at "
+                    f"{info.coordinator_address} (from {info.source}) within {timeout_s} s: {err}") from err
+        _started = info
+        os.environ.setdefault("SHARDAX_INITIALIZED", "1")
+        return world()
