@@ -7,6 +7,12 @@ Importing shardax changes no JAX configuration and starts no backend.
 """
 
 from . import comm as comm
+from . import fft as fft
+from . import fields as fields
+from . import io as io
+from . import linalg as linalg
+from . import particles as particles
+from . import spatial as spatial
 from . import testing as testing
 from ._errors import CapacityError as CapacityError
 from ._errors import DistributedSetupError as DistributedSetupError
@@ -28,6 +34,6 @@ from .runtime import world as world
 
 __all__ = [
     "ALL", "CapacityError", "DistributedSetupError", "ProgramMismatchError", "RankInfo", "ShardaxError", "World",
-    "__version__", "comm", "device_grid", "distributed", "flat_mesh", "grid_mesh", "host_replicate", "initialize",
-    "rank_info", "smap", "testing", "world",
+    "__version__", "comm", "device_grid", "distributed", "fft", "fields", "flat_mesh", "grid_mesh", "host_replicate",
+    "initialize", "io", "linalg", "particles", "rank_info", "smap", "spatial", "testing", "world",
 ]
