@@ -1,1 +1,23 @@
-"""Collectives inside smap."""
+"""Collectives for the local view (inside ``smap``), MPI-style, on any mesh and backend.
+
+``axis=None`` means every manual mesh axis of the context; outside any ``smap`` each collective is the identity of a
+one-rank world.
+"""
+
+from ._alltoallv import alltoallv as alltoallv
+from ._alltoallv import exchange as exchange
+from ._collectives import allgather as allgather
+from ._collectives import allreduce as allreduce
+from ._collectives import alltoall as alltoall
+from ._collectives import barrier as barrier
+from ._collectives import bcast as bcast
+from ._collectives import gather as gather
+from ._collectives import reduce as reduce
+from ._collectives import scan as scan
+from ._collectives import scatter as scatter
+from ._collectives import sendrecv as sendrecv
+from ._collectives import shift as shift
+from ._halo import halo_exchange as halo_exchange
+
+__all__ = ["allgather", "allreduce", "alltoall", "alltoallv", "barrier", "bcast", "exchange", "gather",
+           "halo_exchange", "reduce", "scan", "scatter", "sendrecv", "shift"]

@@ -34,7 +34,11 @@ def manual_axes() -> tuple[str, ...]:
 
 
 def resolve_axes(axis: AxisSpec) -> tuple[str, ...]:
-    """``axis`` as a tuple of manual axes: ``None`` is every manual axis of the context; names are checked."""
+    """``axis`` as a tuple of manual axes in mesh order; ``None`` is every manual axis of the context.
+
+    Outside any ``smap``/``shard_map`` every axis has size 1, so any ``axis`` resolves to ``()`` (identity
+    semantics for collectives); inside, unknown names are an error.
+    """
     available = manual_axes()
     if axis is None:
         return available
@@ -42,10 +46,14 @@ def resolve_axes(axis: AxisSpec) -> tuple[str, ...]:
     for name in names:
         if not isinstance(name, str):
             raise TypeError(f"axis must be a mesh axis name, a tuple of names or None, got {axis!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"axis {axis!r} names an axis twice")
+    if not available:
+        return ()
+    for name in names:
         if name not in available:
-            where = f"the manual axes here are {available}" if available else "this code is not inside smap/shard_map"
-            raise ValueError(f"axis {name!r} is not a manual mesh axis: {where}")
-    return tuple(a for a in available if a in names) if len(set(names)) == len(names) else names
+            raise ValueError(f"axis {name!r} is not a manual mesh axis here; the manual axes are {available}")
+    return tuple(a for a in available if a in names)
 
 
 def axes_size(axes: tuple[str, ...]) -> int:
