@@ -1,0 +1,76 @@
+"""The ``shardax`` command: a small registry of subcommands, each parsing its own arguments."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable, Sequence
+
+from .._version import __version__
+from ._doctor import run_cli as _doctor_cli
+from ._launch import run_cli as _launch_cli
+
+
+@dataclasses.dataclass(frozen=True)
+class Subcommand:
+    """A ``shardax NAME ...`` subcommand.
+
+    Attributes:
+        name: the word after ``shardax``.
+        help: one line for ``shardax --help``.
+        run: called with the arguments after ``name``; returns the exit code.
+    """
+
+    name: str
+    help: str
+    run: Callable[[Sequence[str]], int]
+
+
+# Later subcommands (demo, halos, bench) add one entry here.
+SUBCOMMANDS: dict[str, Subcommand] = {
+    cmd.name: cmd
+    for cmd in (
+        Subcommand("launch", "run a script or module in N local processes (rank-prefixed output)", _launch_cli),
+        Subcommand("doctor", "versions, devices, world and a collective self-test with bandwidth", _doctor_cli),
+    )
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    width = max(len(name) for name in SUBCOMMANDS)
+    listing = "\n".join(f"  {c.name:<{width}}  {c.help}" for c in SUBCOMMANDS.values())
+    parser = argparse.ArgumentParser(
+        prog="shardax", usage="shardax [--version] COMMAND [args ...]",
+        description="HPC for JAX: launch and check multi-process runs.",
+        epilog=f"commands:\n{listing}\n\n'shardax COMMAND --help' describes a command.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"shardax {__version__}")
+    parser.add_argument("command", metavar="COMMAND", help="one of: " + ", ".join(SUBCOMMANDS))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``shardax`` console script.
+
+    Args:
+        argv: the arguments after the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code.
+
+    Example:
+        >>> from shardax.cli import main
+        >>> main(["launch", "-n", "2", "script.py"])  # doctest: +SKIP
+        0
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    if not args or args[0].startswith("-"):
+        parser.parse_args(args or ["--help"])
+        return 2
+    name, rest = args[0], args[1:]
+    command = SUBCOMMANDS.get(name)
+    if command is None:
+        parser.error(f"unknown command {name!r}; choose from {', '.join(SUBCOMMANDS)}")
+    return command.run(rest)
