@@ -1,0 +1,130 @@
+"""sx.smap / sx.distributed / sx.rank_info: the expanding convention, ALL, static arguments, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from jax.sharding import PartitionSpec as P
+
+import shardax as sx
+
+
+def _seed004_f(seed):
+    rank, ndev, axis_names = sx.rank_info()
+    pos = jax.random.uniform(jax.random.key(seed + rank), (100, 3))
+    loc = jnp.sum(pos**2)
+    total = sx.comm.allreduce(loc)
+    return pos, loc, total
+
+
+def test_rank_info(mesh):
+    size = mesh.devices.size
+    ranks = sx.smap(lambda: sx.rank_info().rank, in_specs=(), out_specs=P(sx.ALL), mesh=mesh)()
+    np.testing.assert_array_equal(ranks, np.arange(size))
+    info = {}
+
+    def f():
+        r = sx.rank_info()
+        info["static"] = (r.size, r.axis_names)
+        return r.rank
+
+    sx.smap(f, in_specs=(), out_specs=P(-1), mesh=mesh)()
+    assert info["static"] == (size, mesh.axis_names)
+    assert sx.rank_info() == sx.RankInfo(0, 1, ())
+
+
+def test_expanding_smap_seed004(mesh):
+    size = mesh.devices.size
+    f = sx.smap(_seed004_f, in_specs=(None,), out_specs=(P(-1), P(-1), P()), mesh=mesh, jit=True)
+    pos, loc, total = f(0)
+    assert pos.shape == (size, 100, 3) and loc.shape == (size,) and total.shape == ()
+    np.testing.assert_allclose(np.sum(np.asarray(pos) ** 2, axis=(1, 2)), loc, rtol=1e-5)
+    np.testing.assert_allclose(total, np.sum(loc), rtol=1e-5)
+    ref0 = jax.random.uniform(jax.random.key(0), (100, 3))  # rank 0 of any mesh = the one-device run
+    np.testing.assert_array_equal(pos[0], ref0)
+    single_pos, single_loc, single_total = _seed004_f(0)    # the same function outside any mesh
+    np.testing.assert_array_equal(single_pos, ref0)
+    np.testing.assert_allclose(single_total, single_loc)
+    # Keyword call and a second static value (recompiles, result differs).
+    pos1, _, _ = f(seed=1)
+    assert not np.array_equal(pos1[0], ref0)
+
+
+def test_expand_roundtrip_and_plain_tiling():
+    mesh = make_mesh((2, 4))
+    x = jnp.arange(8 * 5 * 2, dtype=jnp.float32).reshape(8, 5, 2)
+    double = sx.smap(lambda a: (a * 2, a.shape[0]), in_specs=(P(sx.ALL),), out_specs=(P(sx.ALL), P()), mesh=mesh)
+    out, n = double(x)
+    np.testing.assert_array_equal(out, 2 * np.asarray(x))
+    assert n == 5
+    tiled = sx.smap(lambda a: a + 1, in_specs=P("x", "y"), out_specs=P("x", "y"), mesh=mesh, expand=False)
+    y = jnp.zeros((4, 8))
+    np.testing.assert_array_equal(tiled(y), np.ones((4, 8)))
+    # Partially sharded leading axis: P("x") on (2, 4) keeps 2 rows, one per x coordinate.
+    part = sx.smap(lambda a: a * 3, in_specs=P("x"), out_specs=P("x"), mesh=mesh)
+    np.testing.assert_array_equal(part(jnp.ones((2, 6))), 3 * np.ones((2, 6)))
+
+
+def test_smap_context_mesh_and_default():
+    mesh = make_mesh((4,))
+    with jax.set_mesh(mesh):
+        sizes = sx.smap(lambda: sx.rank_info().size, in_specs=(), out_specs=P())()
+    assert sizes == 4
+    assert sx.smap(lambda: sx.rank_info().size, in_specs=(), out_specs=P())() == 8   # flat_mesh() by default
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+        sx.smap(lambda: 1, in_specs=(), out_specs=P(), mesh="d")()  # type: ignore[arg-type]
+
+
+def test_pytree_specs_and_prefixes():
+    mesh = make_mesh((4,))
+    tree = {"a": jnp.ones((4, 3)), "b": (jnp.zeros((4,)), jnp.full((4, 2), 2.0))}
+    f = sx.smap(lambda t, s: jax.tree.map(lambda v: v * s, t), in_specs=(P(sx.ALL), P()), out_specs=P(sx.ALL),
+                mesh=mesh, jit=True)
+    out = f(tree, jnp.float32(2.0))
+    np.testing.assert_array_equal(out["b"][1], 4 * np.ones((4, 2)))
+
+
+def test_distributed_by_parameter_name():
+    @sx.distributed(in_specs={"x": P(sx.ALL)}, out_specs=(P(sx.ALL), P()), static_argnames=("power",))
+    def moments(x, weights, power, label="m"):
+        local = jnp.sum((x * weights) ** power)
+        return local, sx.comm.allreduce(local)
+
+    mesh = make_mesh((2, 2))
+    x = jnp.arange(12.0).reshape(4, 3)
+    w = jnp.array([1.0, 2.0, 3.0])
+    local, total = moments.smap(mesh)(x, weights=w, power=2)
+    ref = np.sum((np.asarray(x) * np.asarray(w)) ** 2, axis=1)
+    np.testing.assert_allclose(local, ref)
+    np.testing.assert_allclose(total, ref.sum())
+    # The undecorated function is still the local view.
+    lone, lone_total = moments(x[0], w, 2)
+    np.testing.assert_allclose(lone, ref[0])
+    np.testing.assert_allclose(lone_total, ref[0])
+    with pytest.raises(ValueError, match="has no parameter 'y'"):
+        sx.distributed(lambda x: x, in_specs={"y": P()})
+
+
+def test_errors_name_the_argument():
+    mesh = make_mesh((4,))
+
+    def g(pos, n):
+        return pos
+
+    with pytest.raises(ValueError, match=r"spec .* names mesh axis 'gpus', but the mesh has axes \('x',\)"):
+        sx.smap(g, in_specs=(P("gpus"), None), out_specs=P(sx.ALL), mesh=mesh)(jnp.zeros((4, 2)), 3)
+    with pytest.raises(ValueError, match=r"argument 'pos' of g has shape \(7, 2\); with expand=True its leading axis "
+                                         r"must be the number of shards"):
+        sx.smap(g, in_specs=(P(sx.ALL), None), out_specs=P(sx.ALL), mesh=mesh)(jnp.zeros((7, 2)), 3)
+    with pytest.raises(ValueError, match=r"maps array axis 0 \(of size 7\) to mesh axes \('x',\) \(of size 4\), but 4 "
+                                         "does not evenly divide 7"):
+        sx.smap(g, in_specs=(P("x"), None), out_specs=P("x"), mesh=mesh, expand=False)(jnp.zeros((7, 2)), 3)
+    with pytest.raises(TypeError, match="marked static .* not hashable"):
+        sx.smap(g, in_specs=(P(sx.ALL), None), out_specs=P(sx.ALL), mesh=mesh, jit=True)(jnp.zeros((4, 2)), [1])
+    with pytest.raises(ValueError, match="got 1 argument"):
+        sx.smap(g, in_specs=(P(sx.ALL), None), out_specs=P(sx.ALL), mesh=mesh)(jnp.zeros((4, 2)))
+    with pytest.raises(ValueError, match="spec P\\(None, None, None\\) has 3 entries"):
+        sx.smap(g, in_specs=(P(None, None, None), None), out_specs=P(), mesh=mesh)(jnp.zeros((4, 2)), 1)
