@@ -61,7 +61,7 @@ def target_argv(target: str | os.PathLike[str] | Sequence[str], args: Sequence[s
     return parts
 
 
-def _check_counts(num_processes: object, cpu_devices: object, timeout_s: object) -> None:
+def check_counts(num_processes: object, cpu_devices: object, timeout_s: object) -> None:
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise ValueError(f"num_processes must be a positive int, got {num_processes!r}")
     if cpu_devices is not None and (isinstance(cpu_devices, bool) or not isinstance(cpu_devices, int)
@@ -88,7 +88,7 @@ def launch_job(target: str | os.PathLike[str] | Sequence[str], args: Sequence[st
                cpu_devices: int | None = None, timeout_s: float | None = None, sink: Sink,
                env: Mapping[str, str] | None = None) -> JobResult:
     """:func:`launch` with the output going to ``sink`` and the full :class:`JobResult` returned."""
-    _check_counts(num_processes, cpu_devices, timeout_s)
+    check_counts(num_processes, cpu_devices, timeout_s)
     argv = target_argv(target, args)
     specs = launch_specs(argv, num_processes=num_processes, cpu_devices=cpu_devices, env=env)
     return run_job(specs, sink=sink, timeout_s=timeout_s)

@@ -66,8 +66,8 @@ class CaptureSink:
     """Keeps every line, in arrival order, for the caller to format (used by :mod:`shardax.testing`)."""
 
     def __init__(self) -> None:
-        self.lines: list[tuple[str, Stream, str]] = []
-        self.messages: list[str] = []
+        # (label, stream, text); label None marks the launcher's own messages.
+        self.lines: list[tuple[str | None, Stream, str]] = []
         self._lock = threading.Lock()
 
     def line(self, label: str, stream: Stream, text: str) -> None:
@@ -76,21 +76,22 @@ class CaptureSink:
 
     def message(self, text: str) -> None:
         with self._lock:
-            self.messages.append(text)
-            self.lines.append(("launcher", "stderr", text))
+            self.lines.append((None, "stderr", text))
 
     def text(self) -> str:
-        """Everything, interleaved as it arrived, each line prefixed with its label."""
+        """Everything, interleaved as it arrived, as ``shardax launch`` prints it."""
         with self._lock:
-            return "".join(f"[{label}] {text}\n" for label, _, text in self.lines)
+            return "".join(f"shardax launch: {text}\n" if label is None else f"[{label}] {text}\n"
+                           for label, _, text in self.lines)
 
     def by_label(self) -> dict[str, str]:
-        """Each label's lines (stdout and stderr interleaved), in arrival order."""
+        """Each process's lines (stdout and stderr interleaved, in arrival order), by label."""
         out: dict[str, list[str]] = {}
         with self._lock:
             for label, _, text in self.lines:
-                out.setdefault(label, []).append(text)
-        return {label: "".join(t + "\n" for t in texts) for label, texts in out.items()}
+                if label is not None:
+                    out.setdefault(label, []).append(text + "\n")
+        return {label: "".join(texts) for label, texts in out.items()}
 
 
 @dataclasses.dataclass(frozen=True)

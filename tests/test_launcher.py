@@ -1,0 +1,175 @@
+"""`shardax launch` (CLI and `shardax.cli.launch`) and `shardax doctor`.
+
+The launcher tests run tests/mp_bodies/ranks.py, a script that does not import JAX, so each launch costs a fraction
+of a second; only the CLI and doctor tests start the JAX-importing `python -m shardax.cli`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardax.cli import launch, main
+
+RANKS = str(Path(__file__).parent / "mp_bodies" / "ranks.py")
+CLI = [sys.executable, "-m", "shardax.cli"]
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_prefixes_streams_and_environment() -> None:
+    proc = _cli("launch", "-n", "2", "--cpu-devices", "3", RANKS, "ok", "-x", "--flag")
+    assert proc.returncode == 0, proc.stderr
+    for rank in (0, 1):
+        assert f"[{rank}] hello from rank {rank} of 2" in proc.stdout.splitlines()
+        assert f"[{rank}] cpu devices 3 3" in proc.stdout.splitlines()
+        assert f"[{rank}] unbuffered 1" in proc.stdout.splitlines()
+        # Options after the script belong to the script.
+        assert f"[{rank}] args -x --flag" in proc.stdout.splitlines()
+        # stderr lines stay on stderr, prefixed too.
+        assert f"[{rank}] stderr line from rank {rank}" in proc.stderr.splitlines()
+        assert f"stderr line from rank {rank}" not in proc.stdout
+    coordinators = set(re.findall(r"coordinator (\S+)", proc.stdout))
+    assert len(coordinators) == 1, coordinators
+    host, port = coordinators.pop().split(":")
+    assert host == "127.0.0.1" and 0 < int(port) < 65536
+    assert "shardax launch:" not in proc.stderr
+
+
+def test_python_api_and_module_target(capsys: pytest.CaptureFixture[str]) -> None:
+    assert launch(RANKS, "ok", "a", num_processes=3) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert sorted(line for line in out if "hello" in line) == [f"[{r}] hello from rank {r} of 3" for r in range(3)]
+    assert "[2] args a" in out
+    # `-m module` with options for the module (platform --terse prints one short line per rank).
+    assert main(["launch", "-n", "2", "-m", "platform", "--terse"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert sorted(line[:4] for line in out) == ["[0] ", "[1] "] and all(len(line) > 4 for line in out)
+
+
+def test_failing_rank_sets_exit_code_and_stops_the_others(capsys: pytest.CaptureFixture[str]) -> None:
+    start = time.monotonic()
+    code = launch([RANKS, "fail", "1", "3"], num_processes=3)
+    elapsed = time.monotonic() - start
+    err = capsys.readouterr().err
+    assert code == 3
+    assert elapsed < 20, f"the other ranks (sleeping 300 s) were not torn down quickly: {elapsed:.1f} s"
+    assert "shardax launch: rank 1 exited with code 3; stopping the other ranks: 0, 2" in err
+    # The failing rank's last words come before the launcher's verdict.
+    assert err.index("[1] rank 1 is failing") < err.index("rank 1 exited with code 3")
+
+
+def test_killed_rank_reports_signal(capsys: pytest.CaptureFixture[str]) -> None:
+    start = time.monotonic()
+    code = launch([RANKS, "kill", "1"], num_processes=2)
+    assert code == 128 + signal.SIGKILL == 137
+    assert time.monotonic() - start < 20
+    assert "rank 1 was killed by SIGKILL" in capsys.readouterr().err
+
+
+def test_timeout(capsys: pytest.CaptureFixture[str]) -> None:
+    start = time.monotonic()
+    code = launch([RANKS, "sleep"], num_processes=2, timeout_s=1.5)
+    elapsed = time.monotonic() - start
+    assert code == 124
+    assert 1.5 <= elapsed < 15
+    assert "timed out after 1.5 s; ranks still running: 0, 1" in capsys.readouterr().err
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signals_reach_every_rank(signum: signal.Signals) -> None:
+    # The launcher runs in its own session, as under a terminal: only the launcher gets the signal, and it forwards.
+    launcher = subprocess.Popen([*CLI, "launch", "-n", "2", RANKS, "term"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        pids = []
+        assert launcher.stdout is not None
+        while len(pids) < 2:
+            line = launcher.stdout.readline()
+            assert line, "the launcher ended before both ranks were ready"
+            match = re.search(r"ready rank \d+ pid (\d+)", line)
+            if match:
+                pids.append(int(match.group(1)))
+        launcher.send_signal(signum)
+        out, err = launcher.communicate(timeout=20)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 128 + signum
+    for rank in (0, 1):
+        assert f"[{rank}] rank {rank} got {signum.name}" in out
+    assert f"shardax launch: received {signum.name}" in err
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids)
+
+
+def test_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        launch("no/such/script.py", num_processes=2)
+    with pytest.raises(ValueError, match="num_processes must be a positive int"):
+        launch(RANKS, num_processes=0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        launch(RANKS, num_processes=1, timeout_s=-1)
+    with pytest.raises(ValueError, match="module name"):
+        launch(["-m"], num_processes=1)
+    with pytest.raises(TypeError, match="target"):
+        launch(3, num_processes=1)  # type: ignore[arg-type]
+    for argv in (["launch", "-n", "2"], ["launch", RANKS], ["launch", "-n", "0", RANKS],
+                 ["launch", "-n", "2", "missing.py"], ["frobnicate"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2, argv
+    err = capsys.readouterr().err
+    assert "missing the script" in err and "'missing.py' does not exist" in err and "unknown command" in err
+
+
+def _lines(text: str) -> list[str]:
+    return [" ".join(line.split()) for line in text.splitlines()]
+
+
+def test_doctor_one_process() -> None:
+    proc = _cli("doctor", "--cpu-devices", "8", "--size-mb", "0.25", "--repeats", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = _lines(proc.stdout)
+    for key in ("jax 0.10", "num_processes 1", "global devices 8", "mode single", "device grid (1 x 8)"):
+        assert any(line.startswith(key) for line in lines), (key, proc.stdout)
+    for check in ("allreduce", "alltoall", "alltoallv"):
+        row = next(line for line in lines if re.search(rf"\b{check}\b", line) and re.search("PASS|FAIL", line))
+        assert "PASS" in row, row
+    assert "doctor: all checks passed" in lines
+
+
+def test_doctor_two_processes() -> None:
+    proc = _cli("doctor", "--processes", "2", "--cpu-devices", "4", "--size-mb", "0.25", "--repeats", "2",
+                "--plain", timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = _lines(proc.stdout)
+    for key in ("[0] num_processes 2", "[0] local devices 4", "[0] global devices 8", "[0] mode spmd",
+                "[0] device grid (2 x 4):", "[0] doctor: all checks passed"):
+        assert key in lines, (key, proc.stdout)
+    assert any(line.startswith("[0] started by shardax-launch (coordinator 127.0.0.1:") for line in lines)
+    for check in ("allreduce", "alltoall", "alltoallv"):
+        row = next(line for line in lines if line.startswith(f"[0] {check} "))
+        assert row.endswith("PASS"), row
+        assert float(row.split()[-2]) > 0  # GB/s
+    # Only rank 0 reports.
+    assert not any(line.startswith("[1] doctor") for line in lines)
