@@ -25,9 +25,10 @@ def to_numpy(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def put(mesh: Mesh, a: np.ndarray, spec: P = P(sx.ALL)) -> jax.Array:
-    """A global array with value ``a`` sharded on ``mesh`` (works across processes)."""
-    spec = sx.core.resolve_spec(spec, mesh, "put")
+def put(mesh: Mesh, a: np.ndarray, spec: P | None = None) -> jax.Array:
+    """A global array with value ``a`` sharded on ``mesh`` (default: leading axis over every device; works across
+    processes)."""
+    spec = sx.core.resolve_spec(P(sx.ALL) if spec is None else spec, mesh, "put")
     sharding = NamedSharding(mesh, spec)
     return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
 
@@ -40,7 +41,8 @@ def per_rank(mesh: Mesh, seed: int, shape: tuple[int, ...], dtype=np.float32) ->
     return rng.standard_normal((size, *shape)).astype(dtype)
 
 
-def run(mesh: Mesh, f, *args, out_specs=P(sx.ALL)):
+def run(mesh: Mesh, f, *args, out_specs=None):
+    out_specs = P(sx.ALL) if out_specs is None else out_specs
     specs = tuple(P(sx.ALL) for _ in args)
     return sx.smap(f, in_specs=specs, out_specs=out_specs, mesh=mesh, jit=True)(*[put(mesh, a) for a in args])
 

@@ -6,14 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
+from conftest import make_mesh
 
 
 def _seed004_f(seed):
-    rank, ndev, axis_names = sx.rank_info()
+    rank, _ndev, _axis_names = sx.rank_info()
     pos = jax.random.uniform(jax.random.key(seed + rank), (100, 3))
     loc = jnp.sum(pos**2)
     total = sx.comm.allreduce(loc)
