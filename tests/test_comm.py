@@ -6,11 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from comm_checks import CHECKS
-from conftest import make_mesh
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
+from comm_checks import CHECKS
+from conftest import make_mesh
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
