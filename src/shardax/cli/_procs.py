@@ -137,6 +137,20 @@ def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> None:
         os.killpg(proc.pid, signum)
 
 
+def _peek(proc: subprocess.Popen[bytes]) -> int | None:
+    """``proc``'s return code (as ``Popen.returncode``) if it ended, else None, without reaping it.
+
+    An unreaped child keeps its pid, hence its process group id, reserved: signalling the group stays safe until
+    :meth:`_Job.teardown` reaps it.
+    """
+    if proc.returncode is not None:
+        return proc.returncode
+    info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
 def _format_seconds(seconds: float) -> str:
     return f"{seconds:g}"
 
@@ -185,11 +199,11 @@ class _Job:
         if self.received is None:
             self.received = signum
         for proc in self.procs:
-            if proc.poll() is None:
+            if _peek(proc) is None:
                 _signal_group(proc, signum)
 
     def running(self) -> list[int]:
-        return [i for i, p in enumerate(self.procs) if p.poll() is None]
+        return [i for i, p in enumerate(self.procs) if _peek(p) is None]
 
     def drain(self, index: int, timeout_s: float = 2.0) -> None:
         """Let process ``index``'s last lines (e.g. a traceback) arrive before the launcher speaks."""
@@ -204,12 +218,10 @@ class _Job:
         deadline = time.monotonic() + grace_s
         while self.running() and time.monotonic() < deadline:
             time.sleep(_POLL_S)
-        for i in self.running():
-            _signal_group(self.procs[i], signal.SIGKILL)
         for proc in self.procs:
-            proc.wait()
-            # Grandchildren left in the group would keep the pipes open; they go with the group.
+            # Survivors, and grandchildren left in an ended child's group (they would keep its pipes open).
             _signal_group(proc, signal.SIGKILL)
+            proc.wait()
         for i in range(len(self.procs)):
             self.drain(i)
 
@@ -251,7 +263,7 @@ def _watch(job: _Job, start: float, timeout_s: float | None, grace_s: float) -> 
             if still:
                 message += f" (still running then: {job.names(still)})"
             return JobResult(128 + signum, message, signum)
-        codes = [p.poll() for p in job.procs]
+        codes = [_peek(p) for p in job.procs]
         failed = [i for i, c in enumerate(codes) if c is not None and c != 0]
         if failed:
             first = failed[0]

@@ -1,0 +1,232 @@
+"""`sx.testing`: run_distributed (through shardax launch and mpirun), launch_script, the tolerance table.
+
+`world_checks` is the multi-process body: one launch per launcher runs every check (world, device grid, a psum across
+processes, seed 000's host replication, seed 001's psum over all devices) and the parent compares the per-process
+results with NumPy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardax as sx
+from shardax.runtime import detect_launch
+
+RANKS = str(Path(__file__).parent / "mp_bodies" / "ranks.py")
+NPROC, NDEV = 2, 4
+
+
+def _shards(a: jax.Array) -> list[tuple[int, tuple[tuple[int | None, int | None], ...], np.ndarray]]:
+    """(device id, index as (start, stop) pairs, data) of every addressable shard."""
+    return [(s.device.id, tuple((i.start, i.stop) for i in s.index), np.asarray(s.data)) for s in a.addressable_shards]
+
+
+def _global(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def world_checks(scale: float) -> dict[str, Any]:
+    """Runs in every process; returns what the parent checks."""
+    w = sx.world()
+    grid = sx.device_grid()
+    mesh = sx.grid_mesh(("x", "y"))
+    n = grid.size
+    # A psum across processes: device (p, j) holds (p + 1) * scale + j; summing over "x" adds the processes.
+    values = np.array([(p + 1) * scale + j for p in range(grid.shape[0]) for j in range(grid.shape[1])], np.float32)
+    psum_x = sx.smap(lambda v: jax.lax.psum(v, "x"), in_specs=P(sx.ALL), out_specs=P(sx.ALL), mesh=mesh, jit=True)
+    summed = psum_x(_global(values, NamedSharding(mesh, P(("x", "y")))))
+    # Seed 001: a psum over every device of every process (of 1, and of each device's linear rank).
+    def count_and_rank_sum() -> tuple[jax.Array, jax.Array]:
+        rank, _, axes = sx.rank_info()
+        one = jnp.ones((), jnp.int32)
+        return jax.lax.psum(one, axes), jax.lax.psum(jnp.asarray(rank, jnp.int32), axes)
+
+    count, rank_sum = sx.smap(count_and_rank_sum, in_specs=(), out_specs=(P(sx.ALL), P(sx.ALL)), mesh=mesh)()
+    # Seed 000: a diagonal matrix sharded by columns over every device, then host-replicated (sharded over "y").
+    diag = np.diag(np.arange(1, n + 1, dtype=np.float32))
+    a = _global(diag, NamedSharding(mesh, P(None, ("x", "y"))))
+    replicated = sx.host_replicate(a, mesh, axis="x")
+    return {
+        "world": dataclasses.asdict(w),
+        "grid_process": [[d.process_index for d in row] for row in grid],
+        "grid_ids": [[d.id for d in row] for row in grid],
+        "psum_x": _shards(summed), "count": _shards(count), "rank_sum": _shards(rank_sum),
+        "a": _shards(a), "replicated": _shards(replicated), "replicated_spec": str(replicated.sharding.spec),
+        "scale": scale, "source": detect_launch().source,
+    }
+
+
+def _check_world_results(results: list[dict[str, Any]], scale: float, source: str) -> None:
+    assert len(results) == NPROC
+    assert [r["source"] for r in results] == [source] * NPROC
+    n = NPROC * NDEV
+    grid_ids = results[0]["grid_ids"]
+    for rank, r in enumerate(results):
+        assert r["scale"] == scale
+        assert r["world"] == {"process_id": rank, "num_processes": NPROC, "local_device_count": NDEV,
+                              "device_count": n, "num_hosts": 1, "platform": "cpu", "mode": "spmd"}
+        assert r["grid_process"] == [[p] * NDEV for p in range(NPROC)]
+        assert r["grid_ids"] == grid_ids  # every process sees the same grid
+        mine = grid_ids[rank]
+        # psum over processes, against NumPy on the gathered inputs.
+        inputs = np.array([[(p + 1) * scale + j for j in range(NDEV)] for p in range(NPROC)], np.float32)
+        expected = np.tile(inputs.sum(axis=0), NPROC)
+        assert sorted(dev for dev, _, _ in r["psum_x"]) == sorted(mine)
+        for _, ((start, stop),), data in r["psum_x"]:
+            np.testing.assert_array_equal(data, expected[start:stop])
+        for dev, _, data in r["count"]:
+            assert int(data[0]) == n, dev
+        for dev, _, data in r["rank_sum"]:
+            assert int(data[0]) == n * (n - 1) // 2, dev
+        # Seed 000: before, each device holds one column of diag(1..n); this process holds its own n/NPROC.
+        diag = np.diag(np.arange(1, n + 1, dtype=np.float32))
+        columns = []
+        for _, (rows, (c0, c1)), data in r["a"]:
+            assert rows == (None, None) and c1 - c0 == 1
+            np.testing.assert_array_equal(data, diag[:, c0:c1])
+            columns.append(c0)
+        assert sorted(columns) == list(range(rank * NDEV, (rank + 1) * NDEV))
+        # After host replication every process holds the whole matrix, in column blocks of n / NDEV over its devices.
+        assert r["replicated_spec"] == str(P(None, "y"))
+        blocks = []
+        for _, (rows, (c0, c1)), data in r["replicated"]:
+            assert rows == (None, None) and c1 - c0 == n // NDEV
+            np.testing.assert_array_equal(data, diag[:, c0:c1])
+            blocks.append((c0, c1))
+        assert sorted(blocks) == [(k * n // NDEV, (k + 1) * n // NDEV) for k in range(NDEV)]
+
+
+@pytest.mark.multiprocess
+def test_run_distributed_shardax_launch() -> None:
+    results = sx.testing.run_distributed(world_checks, 2.5, num_processes=NPROC, cpu_devices=NDEV, timeout_s=240)
+    _check_world_results(results, 2.5, "shardax-launch")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
+def test_run_distributed_mpirun() -> None:
+    results = sx.testing.run_distributed(world_checks, 1.0, num_processes=NPROC, cpu_devices=NDEV, timeout_s=240,
+                                         launcher="mpirun")
+    _check_world_results(results, 1.0, "openmpi4")
+
+
+def failing_body() -> int:
+    rank = sx.world().process_id
+    print(f"rank {rank} before the failure", flush=True)
+    if rank == 1:
+        raise ValueError("boom from rank 1")
+    return rank
+
+
+@pytest.mark.multiprocess
+def test_run_distributed_failure_shows_every_rank() -> None:
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as exc:
+        sx.testing.run_distributed(failing_body, num_processes=2, cpu_devices=1, timeout_s=120)
+    message = str(exc.value)
+    assert time.monotonic() - start < 60
+    assert "rank 1 exited with code 1" in message
+    assert "----- rank 0 output -----" in message and "----- rank 1 output -----" in message
+    assert "rank 0 before the failure" in message
+    rank1 = message.split("----- rank 1 output -----")[1]
+    assert "ValueError: boom from rank 1" in rank1 and "Traceback" in rank1
+
+
+def test_run_distributed_rejects_what_children_cannot_import() -> None:
+    def nested() -> None:
+        pass
+
+    with pytest.raises(TypeError, match="module level"):
+        sx.testing.run_distributed(nested)
+    with pytest.raises(TypeError, match="module level"):
+        sx.testing.run_distributed(lambda: None)
+    with pytest.raises(TypeError, match="picklable"):
+        sx.testing.run_distributed(failing_body, lambda: None)
+    with pytest.raises(ValueError, match="launcher"):
+        sx.testing.run_distributed(failing_body, launcher="srun")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_processes"):
+        sx.testing.run_distributed(failing_body, num_processes=0)
+
+
+def test_launch_script_captures_output() -> None:
+    ok = sx.testing.launch_script(RANKS, "ok", "z", num_processes=2, cpu_devices=2, timeout_s=60)
+    assert ok.returncode == 0
+    lines = ok.output.splitlines()
+    for rank in (0, 1):
+        assert f"[{rank}] hello from rank {rank} of 2" in lines
+        assert f"[{rank}] cpu devices 2 2" in lines and f"[{rank}] args z" in lines
+    failed = sx.testing.launch_script(Path(RANKS), "fail", "0", "5", num_processes=2, timeout_s=60)
+    assert failed.returncode == 5
+    assert failed.output.splitlines()[-1] == "shardax launch: rank 0 exited with code 5; stopping the other ranks: 1"
+    module = sx.testing.launch_script("platform", "--terse", num_processes=2, timeout_s=60)
+    assert module.returncode == 0 and sorted(line[:4] for line in module.output.splitlines()) == ["[0] ", "[1] "]
+
+
+def test_tolerance_table() -> None:
+    for kind in ("default", "linalg", "fft"):
+        f16, bf16, f32, f64 = (sx.testing.tolerance(d, kind) for d in (jnp.float16, jnp.bfloat16, "float32",
+                                                                          np.float64))
+        assert bf16["rtol"] >= f16["rtol"] > f32["rtol"] > f64["rtol"] > 0
+        assert f32["atol"] > f64["atol"] > 0
+        assert sx.testing.tolerance(np.complex64, kind) == f32
+        assert sx.testing.tolerance(jnp.complex128, kind) == f64
+        for exact in (np.int32, jnp.uint8, bool):
+            assert sx.testing.tolerance(exact, kind) == {"rtol": 0.0, "atol": 0.0}
+    assert sx.testing.tolerance("float32", "linalg")["rtol"] >= sx.testing.tolerance("float32")["rtol"]
+    with pytest.raises(ValueError, match="kind must be one of"):
+        sx.testing.tolerance(np.float32, "spectral")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no tolerance for dtype"):
+        sx.testing.tolerance(np.dtype("U3"))
+    with pytest.raises(TypeError, match="dtype must be"):
+        sx.testing.tolerance(object())
+
+
+def test_assert_allclose() -> None:
+    x = np.linspace(1, 2, 50)
+    rtol32 = sx.testing.tolerance(np.float32)["rtol"]
+    # A float32 result against a float64 reference gets the float32 tolerance...
+    sx.testing.assert_allclose(x.astype(np.float32), x)
+    sx.testing.assert_allclose(jnp.asarray(x * (1 + rtol32 / 2), jnp.float32), x)
+    with pytest.raises(AssertionError, match="float32"):
+        sx.testing.assert_allclose(np.float32(x * (1 + 4 * rtol32)), x)
+    # ...and float64 against float64 is much stricter.
+    with pytest.raises(AssertionError, match="float64"):
+        sx.testing.assert_allclose(x * (1 + rtol32 / 2), x)
+    sx.testing.assert_allclose(x * (1 + rtol32 / 2), x, dtype=np.float32)
+    sx.testing.assert_allclose(x * (1 + 1e-5), x, kind="linalg", dtype=np.float32)
+    # Complex data, and integers exactly.
+    z = x + 1j * x[::-1]
+    sx.testing.assert_allclose(z.astype(np.complex64), z)
+    with pytest.raises(AssertionError):
+        sx.testing.assert_allclose(z.astype(np.complex64) * np.complex64(1 + 1e-3j), z)
+    sx.testing.assert_allclose(np.arange(5, dtype=np.int32), np.arange(5))
+    with pytest.raises(AssertionError, match="exact"):
+        sx.testing.assert_allclose(np.arange(5, dtype=np.int32) + np.array([0, 0, 1, 0, 0], np.int32),
+                                   np.arange(5))
+    with pytest.raises(AssertionError, match="shapes differ"):
+        sx.testing.assert_allclose(np.zeros(3), np.zeros((3, 1)))
+
+
+def test_importing_testing_starts_no_backend() -> None:
+    import subprocess
+
+    keys = ("jax_num_cpu_devices", "jax_cpu_collectives_implementation", "jax_enable_x64", "jax_platforms")
+    code = (f"import jax; keys = {keys!r}; before = [getattr(jax.config, k) for k in keys]; "
+            "import shardax.testing, shardax.cli; from jax._src import xla_bridge; "
+            "assert not xla_bridge.backends_are_initialized(), 'backend started'; "
+            "assert before == [getattr(jax.config, k) for k in keys], 'config changed'; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
