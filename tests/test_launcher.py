@@ -173,3 +173,22 @@ def test_doctor_two_processes() -> None:
         assert float(row.split()[-2]) > 0  # GB/s
     # Only rank 0 reports.
     assert not any(line.startswith("[1] doctor") for line in lines)
+
+
+def test_doctor_reports_failures() -> None:
+    # A wrong allreduce (identity) and a broken alltoallv must turn into FAIL rows and exit code 1.
+    code = ("import sys, shardax.comm as comm\n"
+            "comm.allreduce = lambda x, *a, **k: x\n"
+            "def broken(*a, **k):\n"
+            "    raise RuntimeError('alltoallv is broken')\n"
+            "comm.alltoallv = broken\n"
+            "from shardax.cli import main\n"
+            "sys.exit(main(['doctor', '--plain', '--cpu-devices', '2', '--size-mb', '0.01', '--repeats', '1']))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = _lines(proc.stdout)
+    rows = {line.split()[0]: line for line in lines if line.endswith(("PASS", "FAIL"))}
+    assert rows["allreduce"].endswith("FAIL") and rows["alltoallv"].endswith("FAIL")
+    assert rows["alltoall"].endswith("PASS")
+    assert "alltoallv: RuntimeError: alltoallv is broken" in lines
+    assert "doctor: FAILED: allreduce, alltoallv" in lines
