@@ -93,3 +93,45 @@ def test_alltoallv_memory_is_order_capacity():
     row_bytes = capacity * width * 4
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp < 4 * row_bytes, f"alltoallv temporaries {temp / row_bytes:.1f}x the receive buffer"
+
+
+def test_ragged_path_plan_and_lowering():
+    """The GPU path (lax.ragged_all_to_all) cannot run on XLA:CPU; check its offsets by emulating the primitive's
+    documented semantics in NumPy against the chunked CPU path, and that it lowers."""
+    from shardax.comm import _alltoallv
+
+    mesh = make_mesh((4,))
+    size, capacity = 4, 7
+    rng = np.random.default_rng(3)
+    counts = rng.integers(0, 4, (size, size)).astype(np.int32)
+    counts[:, 1] = [3, 3, 2, 1]                      # rank 1 overflows (9 > 7)
+    n = int(counts.sum(1).max())
+    rows = rng.integers(1, 100, (size, n, 2)).astype(np.int32)
+
+    def plan(c):
+        axes = sx.rank_info().axis_names
+        return _alltoallv.ragged_plan(c, _alltoallv._exchange_counts(c, axes), capacity, axes)
+
+    io, ss, oo, rs = (np.asarray(a) for a in sx.smap(plan, in_specs=P(sx.ALL), out_specs=P(sx.ALL),
+                                                       mesh=mesh)(jnp.asarray(counts)))
+    emulated = np.zeros((size, capacity, 2), np.int32)
+    for s in range(size):
+        for j in range(size):
+            block = rows[s, io[s, j]: io[s, j] + ss[s, j]]
+            emulated[j, oo[s, j]: oo[s, j] + len(block)] = block
+    for j in range(size):
+        assert rs[j].sum() == min(counts[:, j].sum(), capacity)
+    chunked = sx.smap(lambda x, c: sx.comm.alltoallv(x, c, capacity=capacity, impl="chunked")[0],
+                      in_specs=P(sx.ALL), out_specs=P(sx.ALL), mesh=mesh)(jnp.asarray(rows), jnp.asarray(counts))
+    np.testing.assert_array_equal(emulated, chunked)
+
+    def ragged(x, c):
+        axes = sx.rank_info().axis_names
+        return _alltoallv._ragged([x], c, _alltoallv._exchange_counts(c, axes), capacity, axes)[0]
+
+    lowered = jax.jit(sx.smap(ragged, in_specs=P(sx.ALL), out_specs=P(sx.ALL), mesh=mesh)).lower(
+        jnp.asarray(rows), jnp.asarray(counts))
+    assert "ragged_all_to_all" in lowered.as_text()
+    with pytest.raises(ValueError, match="impl='ragged' needs a GPU or TPU backend"):
+        sx.smap(lambda x, c: sx.comm.alltoallv(x, c, capacity=capacity, impl="ragged")[0],
+                in_specs=P(sx.ALL), out_specs=P(sx.ALL), mesh=mesh)(jnp.asarray(rows), jnp.asarray(counts))

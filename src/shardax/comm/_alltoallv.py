@@ -1,7 +1,7 @@
 """Variable-size exchange: ``alltoallv`` and ``exchange`` (rows to destination ranks), on every backend.
 
 XLA:CPU has no ``ragged_all_to_all``, so the portable path moves rows in fixed-size chunks: each round is one
-``all_to_all`` of a ``(size, chunk, ...)`` buffer, ``chunk = ceil(capacity / size)``, and the number of rounds is the
+``all_to_all`` of a ``(size, chunk, ...)`` buffer, ``chunk = ceil(1.25 * capacity / size)``, and the number of rounds is the
 largest per-pair count over all ranks divided by ``chunk`` (agreed with one ``pmax``). Balanced traffic takes one round
 and moves the same bytes as a tiled ``all_to_all``; skewed traffic (everything to one rank) takes up to ``size``
 rounds. Memory stays O(capacity) per device in every case. On GPUs the same call uses ``lax.ragged_all_to_all``.
@@ -39,16 +39,22 @@ def _exchange_counts(send_counts: jax.Array, axes: tuple[str, ...]) -> jax.Array
 
 
 def _use_ragged(impl: Impl) -> bool:
+    if impl not in ("auto", "chunked", "ragged"):
+        raise ValueError(f"impl must be 'auto', 'chunked' or 'ragged', got {impl!r}")
+    backend = jax.default_backend()
     if impl == "ragged":
+        if backend == "cpu":
+            raise ValueError("impl='ragged' needs a GPU or TPU backend (XLA:CPU does not implement "
+                             "ragged_all_to_all): use impl='auto' or impl='chunked'")
         return True
-    if impl == "chunked":
-        return False
-    return jax.default_backend() in ("gpu", "cuda", "rocm")
+    return impl == "auto" and backend in ("gpu", "cuda", "rocm")
 
 
 def _chunked(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: jax.Array, capacity: int,
              axes: tuple[str, ...], size: int, chunk: int | None) -> list[jax.Array]:
-    c = chunk or max(1, -(-capacity // size))
+    # Per-pair chunk: the balanced share of the buffer plus 25% for the random spread of real traffic, so that
+    # near-balanced exchanges take one round.
+    c = chunk or max(1, -(-5 * capacity // (4 * size)))
     send_offsets = _exclusive_cumsum(send_counts)
     recv_offsets = _exclusive_cumsum(recv_counts)
     total = jnp.sum(recv_counts)
@@ -85,17 +91,30 @@ def _chunked(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: j
     return lax.fori_loop(1, jnp.maximum(rounds, 1), one_round, first)
 
 
+def ragged_plan(send_counts: jax.Array, recv_counts: jax.Array, capacity: int,
+                axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Arguments of ``lax.ragged_all_to_all`` for a packed, rank-ordered receive buffer of ``capacity`` rows.
+
+    Returns ``(input_offsets, send_sizes, output_offsets, recv_sizes)``, each ``(size,)`` int32: where my block for
+    peer ``j`` starts in my rows, how many of its rows fit at ``j``, where it goes in ``j``'s buffer, and how many rows
+    I take from ``j``. Rows that would not fit are neither sent nor received (the caller reports overflow).
+    """
+    recv_offsets = _exclusive_cumsum(recv_counts).astype(jnp.int32)
+    recv_sizes = jnp.clip(capacity - recv_offsets, 0, recv_counts).astype(jnp.int32)
+    send_sizes = _exchange_counts(recv_sizes, axes)        # each receiver tells each sender how much fits
+    output_offsets = _exchange_counts(recv_offsets, axes)  # ... and where in its buffer the block goes
+    input_offsets = _exclusive_cumsum(send_counts).astype(jnp.int32)
+    return input_offsets, send_sizes, output_offsets, recv_sizes
+
+
 def _ragged(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: jax.Array, capacity: int,
             axes: tuple[str, ...]) -> list[jax.Array]:
-    recv_offsets = _exclusive_cumsum(recv_counts)
-    keep = jnp.clip(capacity - recv_offsets, 0, recv_counts).astype(jnp.int32)  # what fits in my buffer
-    send_keep = _exchange_counts(keep, axes)  # each receiver tells each sender how much of its block fits
-    output_offsets = _exchange_counts(recv_offsets.astype(jnp.int32), axes)
-    input_offsets = _exclusive_cumsum(send_counts).astype(jnp.int32)
+    input_offsets, send_sizes, output_offsets, recv_sizes = ragged_plan(send_counts, recv_counts, capacity, axes)
     outs = []
     for a in arrays:
         out = jnp.zeros((capacity, *a.shape[1:]), a.dtype)
-        outs.append(lax.ragged_all_to_all(a, out, input_offsets, send_keep, output_offsets, keep, axis_name=axes))
+        outs.append(lax.ragged_all_to_all(a, out, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                          axis_name=axes))
     return outs
 
 
@@ -126,7 +145,7 @@ def alltoallv(x: jax.Array, send_counts: jax.Array, *, capacity: int, axis: Axis
         axis: the mesh axes to exchange over (default: all manual axes).
         impl: ``"auto"`` (``ragged_all_to_all`` on GPU, chunked ``all_to_all`` elsewhere), ``"chunked"`` or
             ``"ragged"``.
-        chunk: rows per rank pair and round of the chunked path (default ``ceil(capacity / size)``).
+        chunk: rows per rank pair and round of the chunked path (default ``ceil(1.25 * capacity / size)``).
 
     Returns:
         ``(data, recv_counts, overflow)``: ``data (capacity, ...)`` holds the received rows packed and grouped by

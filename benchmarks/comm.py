@@ -1,0 +1,185 @@
+"""Collective benchmarks: allreduce across 2 processes (vs raw mpi4py and mpi4jax) and alltoallv vs all_to_all.
+
+Run everything (launches its own processes):
+
+    python benchmarks/comm.py                # allreduce under mpirun -n 2 (1 and 4 devices/process) + alltoallv
+    python benchmarks/comm.py --json out.json
+
+The allreduce part runs mpi4py, mpi4jax and shardax in the same two processes started by `mpirun -n 2`, so their
+figures are measured side by side in one run (sx.initialize() detects Open MPI on its own). Timings are medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+N_FLOATS = 1_000_000
+
+
+def _median_ms(fn, repeats: int = 30, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e3)
+
+
+def allreduce_worker(cpu_devices: int) -> None:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import shardax as sx
+
+    w = sx.initialize(cpu_devices=cpu_devices)
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    results: dict[str, float] = {}
+    host = np.ones(N_FLOATS, np.float32)
+    out = np.empty_like(host)
+    results["mpi4py Allreduce"] = _median_ms(lambda: comm.Allreduce(host, out, op=MPI.SUM))
+    try:
+        import mpi4jax
+
+        dev = jax.local_devices()[0]
+        a = jax.device_put(jnp.ones(N_FLOATS, jnp.float32), dev)
+        f = jax.jit(lambda v: mpi4jax.allreduce(v, op=MPI.SUM, comm=comm))
+        results["mpi4jax allreduce (jit)"] = _median_ms(lambda: f(a).block_until_ready())
+    except ImportError:
+        pass
+
+    # shardax: every device contributes N_FLOATS values; the sum over all devices of all processes.
+    for label, mesh, spec in (("flat mesh", sx.flat_mesh(), P(sx.ALL)),
+                              ("hosts x devices mesh", sx.grid_mesh(), P(sx.ALL))):
+        sharding = NamedSharding(mesh, sx.core.resolve_spec(spec, mesh, "bench"))
+        x = jax.make_array_from_process_local_data(sharding, np.ones((w.local_device_count, N_FLOATS), np.float32))
+        g = sx.smap(lambda v: sx.comm.allreduce(v), in_specs=(spec,), out_specs=spec, mesh=mesh, jit=True)
+        expect = float(w.device_count)
+        got = np.asarray(g(x).addressable_shards[0].data)
+        assert np.all(got == expect), (got[:4], expect)
+        results[f"sx.comm.allreduce ({label})"] = _median_ms(lambda g=g, x=x: g(x).block_until_ready())
+    # Hierarchical variant on the hosts x devices mesh: reduce-scatter inside each process, allreduce of the
+    # 1/local_device_count pieces across processes, all-gather inside each process.
+    mesh = sx.grid_mesh()
+    sharding = NamedSharding(mesh, P(("hosts", "d")))
+    x = jax.make_array_from_process_local_data(sharding, np.ones((w.local_device_count, N_FLOATS), np.float32))
+
+    def hier(v):
+        from jax import lax
+        piece = lax.psum_scatter(v.reshape(w.local_device_count, -1), "d", scatter_dimension=0, tiled=True)
+        piece = lax.psum(piece, "hosts")
+        return lax.all_gather(piece, "d", axis=0, tiled=True).reshape(v.shape)
+
+    h = sx.smap(hier, in_specs=(P(("hosts", "d")),), out_specs=P(("hosts", "d")), mesh=mesh, jit=True)
+    got = np.asarray(h(x).addressable_shards[0].data)
+    assert np.all(got == float(w.device_count)), got[:4]
+    results["hierarchical psum_scatter/psum/all_gather"] = _median_ms(lambda: h(x).block_until_ready())
+    if w.process_id == 0:
+        print("RESULT " + json.dumps({"cpu_devices": cpu_devices, "ms": results}), flush=True)
+
+
+def alltoallv_bench(devices: int = 8, rows: int = 1 << 15, width: int = 16) -> dict:
+    """alltoallv with balanced random counts vs a tiled all_to_all of the same bytes (one process, 8 devices)."""
+    code = f"""
+import json, time, numpy as np, jax, jax.numpy as jnp
+jax.config.update("jax_num_cpu_devices", {devices})
+import shardax as sx
+from jax.sharding import PartitionSpec as P
+from jax import lax
+sys_path = None
+size, rows, width = {devices}, {rows}, {width}
+mesh = sx.flat_mesh()
+rng = np.random.default_rng(0)
+counts = rng.multinomial(rows, [1 / size] * size, size=size).astype(np.int32)     # (src, dst), each row sums to rows
+cap = int(counts.sum(0).max())
+x = jnp.asarray(rng.standard_normal((size, rows, width)).astype(np.float32))
+c = jnp.asarray(counts)
+def v(x, c):
+    return sx.comm.alltoallv(x, c, capacity=cap)[0]
+def t(x):
+    return lax.all_to_all(x.reshape(size, -1, width), sx.rank_info().axis_names, 0, 0, tiled=True).reshape(-1, width)
+fv = sx.smap(v, in_specs=(P(sx.ALL), P(sx.ALL)), out_specs=P(sx.ALL), mesh=mesh, jit=True)
+ft = sx.smap(t, in_specs=(P(sx.ALL),), out_specs=P(sx.ALL), mesh=mesh, jit=True)
+def med(f, *a):
+    for _ in range(3): f(*a).block_until_ready()
+    ts = []
+    for _ in range(20):
+        t0 = time.perf_counter(); f(*a).block_until_ready(); ts.append(time.perf_counter() - t0)
+    return float(np.median(ts) * 1e3)
+mv = jax.jit(fv).lower(x, c).compile().memory_analysis()
+mt = jax.jit(ft).lower(x).compile().memory_analysis()
+pairs = []
+for _ in range(5):
+    pairs.append((med(fv, x, c), med(ft, x)))
+tv = float(np.median([p[0] for p in pairs])); tt = float(np.median([p[1] for p in pairs]))
+print("RESULT " + json.dumps(dict(alltoallv_ms=tv, all_to_all_ms=tt, ratio=tv / tt,
+      alltoallv_temp_bytes=mv.temp_size_in_bytes, all_to_all_temp_bytes=mt.temp_size_in_bytes,
+      data_bytes_per_device=rows * width * 4, capacity=cap)))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not line:
+        raise RuntimeError(out.stdout + out.stderr)
+    return json.loads(line[0][7:])
+
+
+def run_allreduce(cpu_devices: int) -> dict:
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        raise RuntimeError("mpirun not found: apt-get install openmpi-bin")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDAX_")}
+    env["JAX_PLATFORMS"] = "cpu"
+    cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, __file__,
+           "--worker", str(cpu_devices)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    if out.returncode or not line:
+        raise RuntimeError(f"allreduce worker failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
+    return json.loads(line[0][7:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--json", help="write the results to this file")
+    args = parser.parse_args()
+    if args.worker is not None:
+        allreduce_worker(args.worker)
+        return
+    report: dict = {"allreduce": [], "alltoallv": None}
+    for m in (1, 4):
+        res = run_allreduce(m)
+        report["allreduce"].append(res)
+        ms = res["ms"]
+        ref = ms.get("mpi4jax allreduce (jit)")
+        print(f"\nallreduce of {N_FLOATS:.0e} float32 across 2 processes, {m} CPU device(s) per process (median ms)")
+        for name, t in ms.items():
+            ratio = f"  {t / ref:5.2f}x mpi4jax" if ref else ""
+            print(f"  {name:<40s} {t:8.2f}{ratio}")
+    a2a = alltoallv_bench()
+    report["alltoallv"] = a2a
+    print("\nalltoallv vs tiled all_to_all, 8 devices, 32768 rows x 16 float32 per device (median ms)")
+    print(f"  alltoallv {a2a['alltoallv_ms']:.2f}  all_to_all {a2a['all_to_all_ms']:.2f}  ratio {a2a['ratio']:.2f}x; "
+          f"temporaries {a2a['alltoallv_temp_bytes'] / a2a['data_bytes_per_device']:.2f}x vs "
+          f"{a2a['all_to_all_temp_bytes'] / a2a['data_bytes_per_device']:.2f}x the data per device")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
