@@ -1,0 +1,169 @@
+"""The particle data model: the ``Particles`` pytree and the duck-typed interface every particle kernel accepts.
+
+A particle set is any pytree with a ``.pos`` leaf of shape ``(n, d)`` and a ``.num`` count of valid rows; rows
+``>= num`` are padding. Every leaf whose leading length equals ``n`` is a per-particle field and travels with its
+particle; other leaves (``num``, a scalar mass, a box size, ...) stay where they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+
+from ..comm import scan
+from ..core import rank_info
+
+T = TypeVar("T")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Particles:
+    """A padded set of particles on one device (local view) or on all devices (global view).
+
+    In the local view the per-particle fields have a leading length ``n`` (the capacity: valid rows first, then
+    padding) and ``num`` is a scalar. In the global view (the output of :func:`from_numpy` or of a ``.smap``
+    function) every field has an extra leading ``ndev`` axis and ``num`` has shape ``(ndev,)``.
+
+    Attributes:
+        pos: `(n, d)` float positions, ``d`` in {2, 3}.
+        num: int32 number of valid rows (the rest is padding).
+        mass: `(n,)` masses, or ``None``.
+        vel: `(n, d)` velocities, or ``None``.
+        ids: `(n,)` int32 global input index of each particle (the numbering kNN and FoF report), or ``None``.
+
+    Any other pytree with ``.pos`` and ``.num`` works wherever ``Particles`` does; use ``dataclasses.replace`` to
+    change a field.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from shardax.particles import Particles
+        >>> part = Particles(pos=jnp.zeros((4, 3)), num=jnp.int32(2))
+        >>> part.pos.shape, int(part.num)
+        ((4, 3), 2)
+    """
+
+    pos: jax.Array
+    num: jax.Array
+    mass: jax.Array | None = None
+    vel: jax.Array | None = None
+    ids: jax.Array | None = None
+
+
+def row_count(part: Any) -> int:
+    """Leading length (capacity) of ``part.pos``; raises ``TypeError`` when ``part`` is not a particle pytree."""
+    pos = getattr(part, "pos", None)
+    if pos is None or not hasattr(part, "num"):
+        raise TypeError(f"expected a particle pytree with .pos and .num fields (e.g. shardax.particles.Particles), "
+                        f"got {type(part).__name__}")
+    if jnp.ndim(pos) < 1:
+        raise ValueError(f"part.pos must have a leading row axis, got shape {jnp.shape(pos)}")
+    return int(jnp.shape(pos)[0])
+
+
+def check_positions(part: Any, where: str) -> tuple[int, int]:
+    """``(n, d)`` of a local-view particle set, with clear errors for wrong shapes and dtypes."""
+    n = row_count(part)
+    pos = part.pos
+    if jnp.ndim(pos) != 2 or jnp.shape(pos)[1] not in (2, 3):
+        raise ValueError(f"{where}: part.pos must have shape (n, 2) or (n, 3) (local view; one row per particle), "
+                         f"got {jnp.shape(pos)}. Global (ndev, n, d) arrays go through the .smap version.")
+    if not jnp.issubdtype(jnp.result_type(pos), jnp.floating):
+        raise TypeError(f"{where}: part.pos must be a floating-point array, got dtype {jnp.result_type(pos)}")
+    if jnp.ndim(part.num) != 0:
+        raise ValueError(f"{where}: part.num must be a scalar count in the local view, got shape "
+                         f"{jnp.shape(part.num)}")
+    return n, int(jnp.shape(pos)[1])
+
+
+def is_row_leaf(leaf: Any, n: int) -> bool:
+    """Whether ``leaf`` is a per-particle field of a set of capacity ``n``."""
+    return jnp.ndim(leaf) >= 1 and jnp.shape(leaf)[0] == n
+
+
+def map_rows(fn: Callable[[jax.Array], jax.Array], part: T, n: int | None = None) -> T:
+    """Apply ``fn`` to every per-particle leaf of ``part`` (leading length ``n``, default ``len(part.pos)``)."""
+    n = row_count(part) if n is None else n
+    num = part.num  # type: ignore[attr-defined]
+
+    def apply(leaf: Any) -> Any:
+        if leaf is num or not is_row_leaf(leaf, n):
+            return leaf
+        return fn(jnp.asarray(leaf))
+
+    return jax.tree.map(apply, part)
+
+
+def replace_field(part: T, name: str, value: Any) -> T:
+    """``part`` with field ``name`` replaced (dataclasses, namedtuples, or any pytree where that field is a leaf)."""
+    if dataclasses.is_dataclass(part) and not isinstance(part, type):
+        return dataclasses.replace(part, **{name: value})  # type: ignore[type-var]
+    if hasattr(part, "_replace"):
+        return part._replace(**{name: value})  # type: ignore[attr-defined]
+    old = getattr(part, name)
+    leaves, treedef = jax.tree.flatten(part)
+    hits = [i for i, leaf in enumerate(leaves) if leaf is old]
+    if len(hits) != 1:
+        raise TypeError(f"cannot replace .{name} of a {type(part).__name__}: use a dataclass or a NamedTuple")
+    leaves[hits[0]] = value
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def with_num(part: T, num: jax.Array) -> T:
+    """``part`` with its ``.num`` replaced."""
+    return replace_field(part, "num", num)
+
+
+def pad(part: T, extra: int) -> T:
+    """Append ``extra`` padding rows (zeros) to every per-particle field; ``num`` is unchanged.
+
+    Args:
+        part: a particle pytree in the local view (``pos (n, d)``).
+        extra: number of rows to add (a non-negative Python int).
+
+    Returns:
+        The same pytree with per-particle fields of leading length ``n + extra``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from shardax.particles import Particles, pad
+        >>> pad(Particles(pos=jnp.ones((4, 3)), num=jnp.int32(4)), 2).pos.shape
+        (6, 3)
+    """
+    if not isinstance(extra, int) or isinstance(extra, bool) or extra < 0:
+        raise ValueError(f"extra must be a non-negative Python int (rows to add), got {extra!r}")
+    n = row_count(part)
+    if extra == 0:
+        return part
+    return map_rows(lambda a: jnp.concatenate([a, jnp.zeros((extra, *a.shape[1:]), a.dtype)]), part, n)
+
+
+def valid_mask(part: Any) -> jax.Array:
+    """`(n,)` bool: which rows of ``part`` hold particles (``row < num``)."""
+    n = row_count(part)
+    return jnp.arange(n, dtype=jnp.int32) < jnp.asarray(part.num, jnp.int32)
+
+
+def with_ids(part: Particles) -> Particles:
+    """``part`` with ``ids`` set to each particle's global index in (device, row) order; padding rows get -1.
+
+    Local view: device ``r`` numbers its rows from the total count of devices ``0..r-1``, so the numbering is the
+    one :func:`squeeze` returns rows in.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from shardax.particles import Particles, with_ids
+        >>> with_ids(Particles(pos=jnp.zeros((3, 3)), num=jnp.int32(2))).ids.tolist()
+        [0, 1, -1]
+    """
+    if not isinstance(part, Particles):
+        raise TypeError(f"with_ids needs a shardax.particles.Particles, got {type(part).__name__}")
+    n = row_count(part)
+    num = jnp.asarray(part.num, jnp.int32)
+    offset = scan(num, inclusive=False) if rank_info().size > 1 else jnp.int32(0)
+    rows = jnp.arange(n, dtype=jnp.int32)
+    return dataclasses.replace(part, ids=jnp.where(rows < num, offset + rows, -1))

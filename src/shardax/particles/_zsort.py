@@ -1,0 +1,252 @@
+"""Distributed z-order sort: a sample sort into global Morton order, then an optional equalising shift.
+
+Each device sorts its particles by Morton key (one packed 64-bit sort, see ``_sort.py``), picks regularly spaced
+samples of its sorted run, and all devices agree on ``ndev - 1`` splitters by weighted quantiles of the gathered
+samples. Splitters are full ``(key, global input index)`` pairs, so duplicate keys (even every particle at one
+point) are split like distinct ones. Each device sends the contiguous slice of its run that belongs to every other
+device (``alltoallv``, no grouping sort needed), and sorts what it received (the runs arrive grouped by source rank,
+so equal keys stay in global input order). With ``equalize`` the now globally sorted sequence is cut into
+``num_total / ndev`` (+-1) pieces: the send counts follow from the counts alone, and the received rows are already
+in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple, TypeVar, overload
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.core import Tracer
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from .._errors import CapacityError
+from ..comm import allgather, allreduce, scan
+from ..core import ALL, rank_info, smap
+from ._domain import Domain, domain_of
+from ._morton import INVALID_KEY, Box, KeyBox, key_box, morton_key, wrap
+from ._particles import check_positions, replace_field
+from ._rows import RowPack, resize_rows, send_rows, take_rows
+from ._sort import argsort_keys
+
+T = TypeVar("T")
+
+
+class Sorted(NamedTuple):
+    """Everything the local zsort knows, for the global wrapper and :func:`domain`."""
+
+    part: Any
+    overflow: jax.Array
+    needed: jax.Array
+    nonfinite: jax.Array
+    key_box: KeyBox
+
+
+def check_capacity(capacity: Any, name: str = "capacity") -> int:
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+        raise ValueError(f"{name} must be a positive Python int (rows per device), got {capacity!r}")
+    return capacity
+
+
+def _num_samples(n: int, size: int) -> int:
+    return max(16, min(8192, max(512, 64 * size), 2**20 // size))
+
+
+def _less(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> jax.Array:
+    """Lexicographic ``a < b`` over word tuples (most significant first)."""
+    out = a[-1] < b[-1]
+    for x, y in zip(a[-2::-1], b[-2::-1], strict=True):
+        out = (x < y) | ((x == y) & out)
+    return out
+
+
+def _splitters(run: tuple[jax.Array, ...], num: jax.Array, size: int) -> tuple[jax.Array, ...]:
+    """``size - 1`` splitters (words of ``(key hi, key lo, global index)``) cutting the global order evenly.
+
+    Every device contributes ``s`` regularly spaced samples of its sorted run, each standing for ``num / s``
+    particles; splitter ``j`` is the first sample (in global order) at which the cumulative weight reaches
+    ``j * total / size``. Each device then receives at most about ``total / size + 2 * total / s`` particles.
+    """
+    n = run[0].shape[0]
+    s = _num_samples(n, size)
+    at = jnp.floor((jnp.arange(s, dtype=jnp.float32) + 0.5) * (num.astype(jnp.float32) / s)).astype(jnp.int32)
+    at = jnp.clip(at, 0, jnp.maximum(num - 1, 0))
+    has = num > 0
+    words = [allgather(jnp.where(has, w[at], jnp.asarray(jnp.iinfo(w.dtype).max, w.dtype)), tiled=True) for w in run]
+    weight = allgather(jnp.where(has, jnp.full((s,), num.astype(jnp.float32) / s), 0.0), tiled=True)
+    *words, weight = lax.sort((*words, weight), num_keys=len(words))
+    total = allreduce(num).astype(jnp.float32)
+    targets = total * jnp.arange(1, size, dtype=jnp.float32) / size
+    pick = jnp.clip(jnp.searchsorted(jnp.cumsum(weight), targets, side="left"), 0, s * size - 1)
+    return tuple(w[pick] for w in words)
+
+
+def _count_below(run: tuple[jax.Array, ...], num: jax.Array, splitters: tuple[jax.Array, ...]) -> jax.Array:
+    """For each splitter, how many of the first ``num`` rows of the sorted ``run`` are below it (binary search)."""
+    m = splitters[0].shape[0]
+    hi = jnp.full((m,), num, jnp.int32)
+    lo = jnp.zeros_like(hi)
+
+    def step(_: int, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        lo, hi = bounds
+        mid = (lo + hi) // 2
+        at = jnp.clip(mid, 0, run[0].shape[0] - 1)
+        below = (mid < hi) & _less(tuple(w[at] for w in run), splitters)
+        return jnp.where(below, mid + 1, lo), jnp.where(below, hi, mid)
+
+    lo, _ = lax.fori_loop(0, run[0].shape[0].bit_length() + 1, step, (lo, hi))
+    return lo
+
+
+def _equal_counts(num: jax.Array, size: int) -> jax.Array:
+    """Rows this device sends to each device so that device ``d`` ends with ``total // size`` (+1 for the first
+    ``total % size``) rows of the global order; this device's rows start at the total count of the lower ranks."""
+    counts = allgather(num)
+    total = jnp.sum(counts)
+    start = jnp.sum(jnp.where(jnp.arange(size) < rank_info().rank, counts, 0))
+    ranks = jnp.arange(size, dtype=jnp.int32)
+    base, extra = total // size, total % size
+    first = ranks * base + jnp.minimum(ranks, extra)
+    last = first + base + (ranks < extra).astype(jnp.int32)
+    return jnp.clip(jnp.minimum(start + num, last) - jnp.maximum(start, first), 0, None).astype(jnp.int32)
+
+
+def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | None) -> Sorted:
+    """The local-view sort behind :func:`zsort`, with what the global wrapper needs to report."""
+    n, _ = check_positions(part, "zsort")
+    cap = n if capacity is None else check_capacity(capacity)
+    if not isinstance(equalize, bool):
+        raise TypeError(f"equalize must be a bool, got {equalize!r}")
+    size = rank_info().size
+    num = jnp.clip(jnp.asarray(part.num, jnp.int32), 0, n)  # type: ignore[attr-defined]
+    rows = jnp.arange(n, dtype=jnp.int32)
+    valid = rows < num
+    pos = jnp.asarray(part.pos)  # type: ignore[attr-defined]
+    kbox = key_box(pos, valid, box)
+    if kbox.periodic:
+        pos = wrap(pos, kbox)
+        part = replace_field(part, "pos", pos)
+    nonfinite = allreduce(jnp.sum(valid & ~jnp.all(jnp.isfinite(pos), axis=1)).astype(jnp.int32))
+    hi, lo = morton_key(pos, kbox, valid)
+    perm = argsort_keys(hi, lo)
+    pack = RowPack(part, n, extra_columns=jnp.stack([hi, lo], axis=1))
+    arrays = take_rows(pack.arrays(), perm)
+    if size == 1:
+        arrays = resize_rows(arrays, cap)
+        return Sorted(pack.unpack(arrays, jnp.minimum(num, cap)), num > cap, num, nonfinite, kbox)
+
+    keys = arrays[0][:, -2:]
+    run = (keys[:, 0], keys[:, 1], scan(num, inclusive=False) + perm)
+    below = _count_below(run, num, _splitters(run, num, size))
+    edges = jnp.concatenate([jnp.zeros((1,), jnp.int32), below, num[None]])
+    arrays, received = send_rows(arrays, jnp.diff(edges), cap)
+    needed = received
+    num = jnp.minimum(received, cap)
+    keys = arrays[0][:, -2:]
+    valid = jnp.arange(cap, dtype=jnp.int32) < num
+    invalid = jnp.uint32(INVALID_KEY)
+    arrays = take_rows(arrays, argsort_keys(jnp.where(valid, keys[:, 0], invalid),
+                                            jnp.where(valid, keys[:, 1], invalid)))
+    if equalize:
+        arrays, received = send_rows(arrays, _equal_counts(num, size), cap)
+        needed = jnp.maximum(needed, received)
+        num = jnp.minimum(received, cap)
+    return Sorted(pack.unpack(arrays, num), needed > cap, needed, nonfinite, kbox)
+
+
+@overload
+def zsort(part: T, *, box: Box | None = None, equalize: bool = True, capacity: int | None = None,
+          return_domain: Literal[False] = False, num_cells: int = 64) -> tuple[T, jax.Array]: ...
+
+
+@overload
+def zsort(part: T, *, box: Box | None = None, equalize: bool = True, capacity: int | None = None,
+          return_domain: Literal[True], num_cells: int = 64) -> tuple[T, jax.Array, Domain]: ...
+
+
+def zsort(part: T, *, box: Box | None = None, equalize: bool = True, capacity: int | None = None,
+          return_domain: bool = False, num_cells: int = 64) -> tuple[T, jax.Array] | tuple[T, jax.Array, Domain]:
+    """Sort particles into global Morton (z-) order across all devices (local view; ``zsort.smap`` for global).
+
+    After the call device ``r`` holds a contiguous piece of the global order: keys ascend within each device and
+    from device to device, and particles with equal keys keep their global input order (device, then row). Every
+    per-particle field travels with its particle.
+
+    Args:
+        part: a particle pytree (``.pos (n, d)``, ``.num``), e.g. :class:`Particles`.
+        box: periodic box size (scalar or `(d,)`): positions are wrapped into ``[0, box)`` (the returned ``pos``
+            is wrapped) and keyed over that box. ``None``: keys over the global bounding box of the particles.
+        equalize: rebalance so that device ``r`` holds ``num_total // ndev`` particles, plus one for the first
+            ``num_total % ndev`` devices. Without it the counts follow the sample-sort splitters (within a few
+            percent of even).
+        capacity: rows per device of the result (static); default the input capacity ``n``.
+        return_domain: also return the :class:`Domain` of the result (key ranges and bounding boxes).
+        num_cells: top-level cells per device in the domain (static).
+
+    Returns:
+        ``(part, overflow)`` or ``(part, overflow, domain)``. ``overflow`` is true on a device that had to hold more
+        than ``capacity`` rows at some step (rows were lost: raise ``capacity`` and call again). Rows with a NaN or
+        infinite coordinate sort after every finite one (``zsort.smap`` rejects them).
+
+    Example:
+        >>> import shardax as sx
+        >>> from shardax.particles import uniform, zsort
+        >>> part = uniform(1000, seed=1)
+        >>> zpart, overflow = zsort(part)
+        >>> int(zpart.num), bool(overflow)
+        (1000, False)
+        >>> zpart, overflow = zsort.smap()(sx.particles.uniform.smap()(1000))   # global: (ndev, cap, 3)
+    """
+    result = sort_particles(part, box, equalize, capacity)
+    if return_domain:
+        return result.part, result.overflow, domain_of(result.part, result.key_box, num_cells)
+    return result.part, result.overflow
+
+
+def _global_zsort(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., Any]:
+    """``zsort.smap(mesh=None, jit=True)``: the global zsort over ``(ndev, n, ...)`` particle arrays.
+
+    The returned function takes the same arguments as :func:`zsort` and returns the same outputs in the global view.
+    It raises :class:`shardax.CapacityError` when a device would overflow (with the capacity needed) and
+    ``ValueError`` for NaN or infinite positions. Called under an outer ``jax.jit`` it cannot raise: check
+    ``overflow`` yourself there.
+    """
+    cache: dict[tuple, Callable[..., Any]] = {}
+
+    def call(part: Any, *, box: Box | None = None, equalize: bool = True, capacity: int | None = None,
+             return_domain: bool = False, num_cells: int = 64) -> Any:
+        static_box = box is None or isinstance(box, int | float | tuple)
+        leaves, treedef = jax.tree.flatten(part)
+        key = (treedef, static_box, box if static_box else None, equalize, capacity, return_domain, num_cells)
+        fn = cache.get(key)
+        if fn is None:
+            def body(leaves: list[jax.Array], box_arg: Any) -> tuple:
+                result = sort_particles(jax.tree.unflatten(treedef, leaves), box if static_box else box_arg,
+                                        equalize, capacity)
+                flags = (allreduce(result.overflow.astype(jnp.int32), "max"), allreduce(result.needed, "max"),
+                         result.nonfinite)
+                dom = domain_of(result.part, result.key_box, num_cells) if return_domain else None
+                return result.part, result.overflow, flags, dom
+
+            fn = smap(body, in_specs=(ALL, P() if not static_box else None),
+                      out_specs=(ALL, ALL, P(), P()), mesh=mesh, jit=jit)
+            cache[key] = fn
+        out_part, overflow, (any_overflow, needed, nonfinite), dom = fn(leaves, None if static_box else box)
+        if not isinstance(any_overflow, Tracer):
+            if int(nonfinite):
+                raise ValueError(f"zsort: {int(nonfinite)} particle(s) have a NaN or infinite coordinate in part.pos; "
+                                 "remove them or replace the positions before sorting")
+            if int(any_overflow):
+                available = capacity if capacity is not None else int(jnp.shape(part.pos)[1])  # type: ignore
+                raise CapacityError(
+                    f"zsort: a device needed {int(needed)} rows but capacity is {available}; pass capacity="
+                    f"{int(needed) + int(needed) // 8 + 1} (or a larger capacity_factor to from_numpy)",
+                    needed=int(needed), available=available, argument="capacity")
+        return (out_part, overflow, dom) if return_domain else (out_part, overflow)
+
+    return call
+
+
+zsort.smap = _global_zsort  # type: ignore[attr-defined]
