@@ -50,16 +50,18 @@ class ConsoleSink:
         self._stderr = stderr or sys.stderr
         self._lock = threading.Lock()
 
-    def line(self, label: str, stream: Stream, text: str) -> None:
-        out = self._stdout if stream == "stdout" else self._stderr
-        with self._lock:
-            out.write(f"[{label}] {text}\n")
+    def _write(self, out: IO[str], text: str) -> None:
+        # A closed reader (`shardax launch ... | head`) must not stop the pumps: the children would block on a full
+        # pipe. Their output is dropped instead.
+        with self._lock, contextlib.suppress(BrokenPipeError, ValueError):
+            out.write(text)
             out.flush()
 
+    def line(self, label: str, stream: Stream, text: str) -> None:
+        self._write(self._stdout if stream == "stdout" else self._stderr, f"[{label}] {text}\n")
+
     def message(self, text: str) -> None:
-        with self._lock:
-            self._stderr.write(f"shardax launch: {text}\n")
-            self._stderr.flush()
+        self._write(self._stderr, f"shardax launch: {text}\n")
 
 
 class CaptureSink:
@@ -152,7 +154,7 @@ def _peek(proc: subprocess.Popen[bytes]) -> int | None:
 
 
 def _format_seconds(seconds: float) -> str:
-    return f"{seconds:g}"
+    return str(int(seconds)) if float(seconds).is_integer() else f"{seconds:.6g}"
 
 
 @contextlib.contextmanager
