@@ -68,21 +68,23 @@ def world_checks(scale: float) -> dict[str, Any]:
     }
 
 
-def _check_world_results(results: list[dict[str, Any]], scale: float, source: str) -> None:
-    assert len(results) == NPROC
-    assert [r["source"] for r in results] == [source] * NPROC
-    n = NPROC * NDEV
+def _check_world_results(results: list[dict[str, Any]], scale: float, source: str, nproc: int = NPROC,
+                         ndev: int = NDEV) -> None:
+    assert len(results) == nproc
+    assert [r["source"] for r in results] == [source] * nproc
+    n = nproc * ndev
     grid_ids = results[0]["grid_ids"]
     for rank, r in enumerate(results):
         assert r["scale"] == scale
-        assert r["world"] == {"process_id": rank, "num_processes": NPROC, "local_device_count": NDEV,
-                              "device_count": n, "num_hosts": 1, "platform": "cpu", "mode": "spmd"}
-        assert r["grid_process"] == [[p] * NDEV for p in range(NPROC)]
+        assert r["world"] == {"process_id": rank, "num_processes": nproc, "local_device_count": ndev,
+                              "device_count": n, "num_hosts": 1, "platform": "cpu",
+                              "mode": "spmd" if nproc > 1 else "single"}
+        assert r["grid_process"] == [[p] * ndev for p in range(nproc)]
         assert r["grid_ids"] == grid_ids  # every process sees the same grid
         mine = grid_ids[rank]
         # psum over processes, against NumPy on the gathered inputs.
-        inputs = np.array([[(p + 1) * scale + j for j in range(NDEV)] for p in range(NPROC)], np.float32)
-        expected = np.tile(inputs.sum(axis=0), NPROC)
+        inputs = np.array([[(p + 1) * scale + j for j in range(ndev)] for p in range(nproc)], np.float32)
+        expected = np.tile(inputs.sum(axis=0), nproc)
         assert sorted(dev for dev, _, _ in r["psum_x"]) == sorted(mine)
         for _, ((start, stop),), data in r["psum_x"]:
             np.testing.assert_array_equal(data, expected[start:stop])
@@ -90,28 +92,29 @@ def _check_world_results(results: list[dict[str, Any]], scale: float, source: st
             assert int(data[0]) == n, dev
         for dev, _, data in r["rank_sum"]:
             assert int(data[0]) == n * (n - 1) // 2, dev
-        # Seed 000: before, each device holds one column of diag(1..n); this process holds its own n/NPROC.
+        # Seed 000: before, each device holds one column of diag(1..n); this process holds its own n/nproc.
         diag = np.diag(np.arange(1, n + 1, dtype=np.float32))
         columns = []
         for _, (rows, (c0, c1)), data in r["a"]:
             assert rows == (None, None) and c1 - c0 == 1
             np.testing.assert_array_equal(data, diag[:, c0:c1])
             columns.append(c0)
-        assert sorted(columns) == list(range(rank * NDEV, (rank + 1) * NDEV))
-        # After host replication every process holds the whole matrix, in column blocks of n / NDEV over its devices.
+        assert sorted(columns) == list(range(rank * ndev, (rank + 1) * ndev))
+        # After host replication every process holds the whole matrix, in column blocks of n / ndev over its devices.
         assert r["replicated_spec"] == str(P(None, "y"))
         blocks = []
         for _, (rows, (c0, c1)), data in r["replicated"]:
-            assert rows == (None, None) and c1 - c0 == n // NDEV
+            assert rows == (None, None) and c1 - c0 == n // ndev
             np.testing.assert_array_equal(data, diag[:, c0:c1])
             blocks.append((c0, c1))
-        assert sorted(blocks) == [(k * n // NDEV, (k + 1) * n // NDEV) for k in range(NDEV)]
+        assert sorted(blocks) == [(k * n // ndev, (k + 1) * n // ndev) for k in range(ndev)]
 
 
 @pytest.mark.multiprocess
-def test_run_distributed_shardax_launch() -> None:
-    results = sx.testing.run_distributed(world_checks, 2.5, num_processes=NPROC, cpu_devices=NDEV, timeout_s=240)
-    _check_world_results(results, 2.5, "shardax-launch")
+@pytest.mark.parametrize("nproc,ndev", [(NPROC, NDEV), (1, 8)], ids=["2x4", "1x8"])
+def test_run_distributed_shardax_launch(nproc: int, ndev: int) -> None:
+    results = sx.testing.run_distributed(world_checks, 2.5, num_processes=nproc, cpu_devices=ndev, timeout_s=240)
+    _check_world_results(results, 2.5, "shardax-launch", nproc, ndev)
 
 
 @pytest.mark.multiprocess
