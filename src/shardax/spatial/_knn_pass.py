@@ -1,0 +1,214 @@
+"""One certified grid pass of the local kNN: dense distance blocks over row-aligned blocks of queries.
+
+The data are sorted by cell key. Active queries, sorted the same way, are cut into blocks of at most ``block``
+consecutive queries that never cross a grid row. A block's candidates are the cells ``[x0 - 1, x1 + 1]`` of the
+``3**(d-1)`` rows around it: contiguous runs of the sorted data, packed into ``capacity`` slots and gathered once
+for the whole block. One dense `(block, capacity)` distance tile and ``lax.top_k`` then give every query of the
+block its ``k + 1`` nearest candidates.
+
+A query's answer is certified exact when no candidate run was cut off by ``capacity``, its k-th distance is below
+the distance to the outside of the searched cells, and its k-th and (k+1)-th distances differ (so the tie-break by
+index cannot depend on which candidates were searched). Uncertified queries are left for a later pass.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ._grid import SENTINEL_KEY, Domain, Grid, axis_margin, cell_coords, cell_keys
+
+
+class PassResult(NamedTuple):
+    """Per query, in the query order: squared distances `(m, k)`, data rows `(m, k)`, flags `(m,)`."""
+
+    dist2: jax.Array
+    rows: jax.Array
+    certified: jax.Array
+    truncated: jax.Array
+
+
+def pair_dist2(q: jax.Array, c: jax.Array, domain: Domain) -> jax.Array:
+    """Squared distances `(..., Q, C)` between `q: (..., Q, d)` and `c: (..., C, d)` (minimum image if periodic).
+
+    Every code path computes distances with this one function, so equal pairs give bit-equal distances.
+    """
+    total = None
+    for axis in range(q.shape[-1]):
+        dx = q[..., :, None, axis] - c[..., None, :, axis]
+        if domain.periodic:
+            box = domain.extent[axis]
+            dx = dx - box * jnp.round(dx / box)
+        total = dx * dx if total is None else total + dx * dx
+    assert total is not None
+    return total
+
+
+def _sort_by_key(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    iota = jnp.arange(keys.shape[0], dtype=jnp.int32)
+    return lax.sort((keys, iota), num_keys=1, is_stable=True)
+
+
+def _axis_offsets(reach: int) -> tuple[int, ...]:
+    # 0, -1, 1, -2, 2, ...: on a short periodic axis the duplicates of a cell are always the later offsets.
+    return (0, *(o for j in range(1, reach + 1) for o in (-j, j)))
+
+
+def _row_offsets(dim: int, reach: int) -> list[tuple[int, ...]]:
+    return list(itertools.product(_axis_offsets(reach), repeat=dim - 1))
+
+
+class SortedData(NamedTuple):
+    """Data sorted by the cell keys of one grid: keys `(n,)`, original rows `(n,)`, positions `(n, d)`."""
+
+    keys: jax.Array
+    rows: jax.Array
+    pos: jax.Array
+
+
+def sort_data(data_pos: jax.Array, data_valid: jax.Array, domain: Domain, grid: Grid) -> SortedData:
+    """The valid data rows sorted by cell key (invalid rows last, with the sentinel key)."""
+    keys = jnp.where(data_valid, cell_keys(cell_coords(data_pos, domain, grid), grid), SENTINEL_KEY)
+    keys, rows = _sort_by_key(keys)
+    return SortedData(keys, rows, data_pos[rows])
+
+
+def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, domain: Domain, grid: Grid,
+              reach: int, *, k: int, block: int, capacity: int, batch: int) -> PassResult:
+    """Answer the ``active`` queries whose result this grid certifies (see the module docstring).
+
+    Args:
+        data: the data sorted on ``grid`` (see :func:`sort_data`).
+        query_pos: `(m, d)` query positions (wrapped).
+        active: `(m,)` queries to answer.
+        domain: the search domain.
+        grid: the cell grid of this pass.
+        reach: cells searched on each side of a block's cells along every axis.
+        k: neighbours per query.
+        block: queries per block.
+        capacity: candidate slots per block (at least ``k + 1``).
+        batch: blocks processed together in one dense tile.
+
+    Returns:
+        ``PassResult`` for every query (meaningful where ``certified``); ``rows`` are data row numbers.
+    """
+    dim = data.pos.shape[1]
+    m = query_pos.shape[0]
+    dtype = data.pos.dtype
+    kk = k + 1
+    dkeys, dperm, dpos = data
+
+    qcoords = cell_coords(query_pos, domain, grid)
+    qkeys = jnp.where(active, cell_keys(qcoords, grid), SENTINEL_KEY)
+    qkeys, qperm = _sort_by_key(qkeys)
+    qpos = query_pos[qperm]
+    qcoords = qcoords[qperm]
+    num_active = jnp.sum(active, dtype=jnp.int32)
+
+    # Row-aligned blocks: a block starts at a new row or every `block` queries into a row.
+    idx = jnp.arange(m, dtype=jnp.int32)
+    row = qkeys // grid.cells[0]
+    new_row = jnp.concatenate([jnp.ones((1,), bool), row[1:] != row[:-1]])
+    row_start = lax.cummax(jnp.where(new_row, idx, 0))
+    starts_flag = ((idx - row_start) % block == 0) & (idx < num_active)
+    num_blocks = jnp.sum(starts_flag, dtype=jnp.int32)
+    (block_starts,) = jnp.nonzero(starts_flag, size=m + 1, fill_value=num_active)
+    block_starts = block_starts.astype(jnp.int32)
+
+    offsets = _row_offsets(dim, reach)
+    inf = jnp.asarray(jnp.inf, dtype)
+
+    def run_batch(b: jax.Array, out: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        bid = b * batch + jnp.arange(batch, dtype=jnp.int32)
+        start = block_starts[jnp.minimum(bid, m)]
+        end = jnp.where(bid < num_blocks, block_starts[jnp.minimum(bid + 1, m)], start)
+        qi = start[:, None] + jnp.arange(block, dtype=jnp.int32)
+        qvalid = qi < end[:, None]
+        qi = jnp.minimum(qi, m - 1)
+        qp = qpos[qi]
+        first = qcoords[jnp.minimum(start, m - 1)]
+        x0 = first[:, 0]
+        x1 = qcoords[jnp.clip(end - 1, 0, m - 1), 0]
+
+        range_start, range_len = _candidate_runs(dkeys, first, x0, x1, grid, offsets, reach, domain.periodic)
+        cum = jnp.cumsum(range_len, axis=1)
+        total = cum[:, -1]
+        truncated = total > capacity
+        slot = jnp.arange(capacity, dtype=jnp.int32)
+        which = jnp.sum(slot[None, :, None] >= cum[:, None, :], axis=-1, dtype=jnp.int32)
+        which = jnp.minimum(which, range_len.shape[1] - 1)
+        before = jnp.take_along_axis(cum - range_len, which, axis=1)
+        drow = jnp.take_along_axis(range_start, which, axis=1) + slot - before
+        cvalid = slot[None, :] < total[:, None]
+        drow = jnp.where(cvalid, drow, 0)
+
+        d2 = pair_dist2(qp, dpos[drow], domain)
+        d2 = jnp.where(cvalid[:, None, :], d2, inf)
+        neg, pick = lax.top_k(-d2, kk)
+        best = -neg
+        rows = jnp.take_along_axis(jnp.broadcast_to(drow[:, None, :], d2.shape), pick, axis=2)
+
+        margin = axis_margin(qp[..., 0], (x0 - reach)[:, None], (x1 + reach)[:, None], 0, domain, grid)
+        for axis in range(1, dim):
+            c = first[:, axis, None]
+            margin = jnp.minimum(margin, axis_margin(qp[..., axis], c - reach, c + reach, axis, domain, grid))
+        kth = best[..., k - 1]
+        ok = (qvalid & ~truncated[:, None] & (kth < best[..., k]) & (margin > 0) & (kth <= margin * margin))
+
+        target = jnp.where(qvalid, qi, m)
+        out_d2, out_rows, out_ok, out_trunc = out
+        out_d2 = out_d2.at[target].set(best[..., :k], mode="drop")
+        out_rows = out_rows.at[target].set(dperm[rows[..., :k]], mode="drop")
+        out_ok = out_ok.at[target].set(ok, mode="drop")
+        out_trunc = out_trunc.at[target].set(jnp.broadcast_to(truncated[:, None], qvalid.shape), mode="drop")
+        return out_d2, out_rows, out_ok, out_trunc
+
+    init = (jnp.full((m, k), jnp.inf, dtype), jnp.zeros((m, k), jnp.int32), jnp.zeros((m,), bool),
+            jnp.zeros((m,), bool))
+    num_batches = (num_blocks + batch - 1) // batch
+    out = lax.fori_loop(0, num_batches, run_batch, init)
+    # Back from sorted-query order to the input order.
+    return PassResult(*(jnp.zeros_like(o).at[qperm].set(o) for o in out))
+
+
+def _candidate_runs(dkeys: jax.Array, first: jax.Array, x0: jax.Array, x1: jax.Array, grid: Grid,
+                    offsets: list[tuple[int, ...]], reach: int, periodic: bool) -> tuple[jax.Array, jax.Array]:
+    """Start and length `(B, R)` in the sorted data of every run of candidate cells of each block."""
+    gx = grid.cells[0]
+    a, b = x0 - reach, x1 + reach
+    if periodic:
+        full = b - a + 1 >= gx
+        lo_part = jnp.where(full, 0, jnp.where(a < 0, a + gx, a))
+        hi_part = jnp.where(full, gx - 1, jnp.where(a < 0, gx - 1, jnp.minimum(b, gx - 1)))
+        # The wrapped remainder: [0, b] when a < 0, [0, b - gx] when b >= gx, else empty.
+        wrap_hi = jnp.where(full, -1, jnp.where(a < 0, b, jnp.where(b >= gx, b - gx, -1)))
+        x_parts = [(lo_part, hi_part), (jnp.zeros_like(wrap_hi), wrap_hi)]
+    else:
+        x_parts = [(jnp.maximum(a, 0), jnp.minimum(b, gx - 1))]
+
+    lo_keys, hi_keys, valid = [], [], []
+    for offset in offsets:
+        base = jnp.zeros_like(x0)
+        ok = jnp.ones_like(x0, dtype=bool)
+        for axis, off in enumerate(offset, start=1):
+            g = grid.cells[axis]
+            c = first[:, axis] + off
+            if periodic:
+                ok = ok & (g >= 2 * abs(off) + (off > 0))
+                c = jnp.mod(c, g)
+            else:
+                ok = ok & (c >= 0) & (c < g)
+            base = base + c * grid.stride[axis]
+        for xa, xb in x_parts:
+            lo_keys.append(base + xa)
+            hi_keys.append(base + xb + 1)
+            valid.append(ok & (xb >= xa))
+    lo_k = jnp.stack(lo_keys, axis=1)
+    hi_k = jnp.stack(hi_keys, axis=1)
+    found = jnp.searchsorted(dkeys, jnp.stack([lo_k, hi_k]), side="left").astype(jnp.int32)
+    length = jnp.where(jnp.stack(valid, axis=1), found[1] - found[0], 0)
+    return found[0], length
