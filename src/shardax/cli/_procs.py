@@ -213,10 +213,10 @@ class _Job:
         for t in self.readers[index]:
             t.join(max(0.0, deadline - time.monotonic()))
 
-    def teardown(self, grace_s: float, first_signal: int = signal.SIGTERM) -> None:
-        """``first_signal`` to every live process group, SIGKILL to the survivors after ``grace_s``."""
+    def teardown(self, grace_s: float) -> None:
+        """SIGTERM to every live process group, SIGKILL to the survivors after ``grace_s``, then reap them all."""
         for i in self.running():
-            _signal_group(self.procs[i], first_signal)
+            _signal_group(self.procs[i], signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while self.running() and time.monotonic() < deadline:
             time.sleep(_POLL_S)
@@ -241,6 +241,7 @@ def run_job(specs: Sequence[ProcessSpec], *, sink: Sink, timeout_s: float | None
     """
     job = _Job(specs, sink)
     start = time.monotonic()
+    # The verdict is printed after the teardown, so that it is the last line of the job's output.
     with _forward_signals(job.on_signal):
         try:
             job.start()
