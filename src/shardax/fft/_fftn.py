@@ -192,6 +192,12 @@ def _sharding_of(name: str, x: Any, mesh: Mesh | None, spec: Any) -> tuple[Mesh 
         typed = jax.typeof(x).sharding
         if not typed.mesh.empty and any(e is not None for e in typed.spec):
             return default_mesh(mesh), typed.spec
+        # Under jax.grad/jvp/vmap (no jit) the concrete array is still inside the tracer.
+        inner = getattr(x, "primal", None)
+        if inner is None:
+            inner = getattr(x, "val", None)
+        if isinstance(inner, jax.Array):
+            return _sharding_of(name, inner, mesh, spec)
         raise ValueError(f"{name} was called under jit on an array whose sharding it cannot see: pass spec= "
                          f"(and mesh=) explicitly, e.g. {name}(x, mesh=mesh, spec=P('x'))")
     sharding = getattr(x, "sharding", None)

@@ -104,6 +104,6 @@ def fftfreq(shape: Sequence[int], /, *, spec: Any = None, mesh: Mesh | None = No
         freqs = np.fft.rfftfreq(shape[dim], spacings[dim]) if rfft and dim == len(shape) - 1 else \
             np.fft.fftfreq(shape[dim], spacings[dim])
         freqs = freqs.astype(dtype).reshape([-1 if k == dim else 1 for k in range(len(shape))])
-        entries = [lay.spec[dim] if k == dim else None for k in range(len(shape))]
+        entries = [lay.entry(dim) if k == dim else None for k in range(len(shape))]
         out.append(jax.device_put(freqs, NamedSharding(the_mesh, PartitionSpec(*entries))))
     return tuple(out)

@@ -62,7 +62,7 @@ class Layout:
         >>> from jax.sharding import PartitionSpec as P
         >>> lay = Layout.from_spec(P("x", "y"), (32, 32, 32), {"x": 2, "y": 4})
         >>> lay.local_shape, lay.spec
-        ((16, 8, 32), PartitionSpec('x', 'y', None))
+        ((16, 8, 32), PartitionSpec('x', 'y'))
     """
 
     shape: tuple[int, ...]
@@ -111,10 +111,18 @@ class Layout:
         """Shape of one device's block."""
         return tuple(n // self.parts(d) for d, n in enumerate(self.shape))
 
+    def entry(self, dim: int) -> str | Group | None:
+        """The ``PartitionSpec`` entry of array axis ``dim``."""
+        group = self.groups[dim]
+        return None if not group else group[0] if len(group) == 1 else group
+
     @property
     def spec(self) -> PartitionSpec:
-        """The layout as a ``PartitionSpec`` (one entry per array axis)."""
-        return PartitionSpec(*(None if not g else g[0] if len(g) == 1 else g for g in self.groups))
+        """The layout as a ``PartitionSpec`` (trailing unsplit axes left out, as JAX writes specs)."""
+        entries = [self.entry(dim) for dim in range(len(self.groups))]
+        while entries and entries[-1] is None:
+            entries.pop()
+        return PartitionSpec(*entries)
 
     def stripped(self) -> Layout:
         """The same data layout without mesh axes of size 1 (they split nothing)."""

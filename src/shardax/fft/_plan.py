@@ -179,9 +179,10 @@ def search_plan(kind: Kind, layout: Layout, target: _Groups | None, n_last: int)
         cost, _, (groups, done), steps = heapq.heappop(heap)
         if found_cost is not None and cost > found_cost:
             break
-        for transform in _transforms(kind, groups, done):
-            steps = (*steps, dataclasses.replace(transform, n=n_last) if transform.op == "c2r" else transform)
-            done = done | frozenset(transform.axes)
+        while transforms := _transforms(kind, groups, done):
+            for transform in transforms:
+                steps = (*steps, dataclasses.replace(transform, n=n_last) if transform.op == "c2r" else transform)
+                done = done | frozenset(transform.axes)
         if (groups, done) in seen:
             continue
         seen.add((groups, done))
@@ -242,6 +243,13 @@ def make_plan(kind: Kind, layout: Layout, mode: LayoutArg, n_last: int) -> FFTPl
     else:
         outs = [layout.with_groups(_roll(layout.groups, inverse), shape), None]
     for out in outs:
+        if out is not None and mode != "transposed":
+            for dim, n in enumerate(out.shape):
+                if n % out.parts(dim):
+                    raise ValueError(
+                        f"{kind}: the output's axis {dim} has {n} points, which its split over mesh axes "
+                        f"{out.groups[dim]} (of size {out.parts(dim)}) does not evenly divide; pass "
+                        f"layout='transposed' or an output PartitionSpec that leaves axis {dim} whole")
         target = None if out is None else out.stripped().groups
         found = search_plan(kind, stripped, target, n_last)
         if found is not None:
