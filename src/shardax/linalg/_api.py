@@ -1,0 +1,159 @@
+"""Global ``sx.linalg`` functions: layout conversion around the local-view kernels, over ``sx.smap``."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ..core import smap
+from ._checks import apply_in_specs, check_flag, check_matrix, check_rhs, check_tile, resolve_mesh
+from ._core import solve_local
+from ._layout import BlockCyclic, cyclic_spec, from_cyclic, to_cyclic, user_sharding
+from ._potrf import potrf_local
+from ._solve import inverse_local
+
+
+def _constrain(x: jax.Array, sharding: NamedSharding | None) -> jax.Array:
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+@functools.lru_cache(maxsize=64)
+def _solver(mesh: Mesh, layout: BlockCyclic, with_logdet: bool, b_sharding: NamedSharding | None):
+    local = smap(lambda a, b: solve_local(a, b, layout, with_logdet), in_specs=(cyclic_spec(mesh), PartitionSpec()),
+                 out_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec()), mesh=mesh, expand=False)
+
+    @jax.jit
+    def run(a, b):
+        rhs = b if b.ndim == 2 else b[:, None]
+        rhs = jnp.pad(rhs, ((0, layout.padded - layout.n), (0, 0)))
+        x, logdet, info = local(to_cyclic(a, layout), rhs)
+        x = x[: layout.n] if b.ndim == 2 else x[: layout.n, 0]
+        return _constrain(x, b_sharding), logdet, info
+
+    return run
+
+
+@functools.lru_cache(maxsize=64)
+def _factor(mesh: Mesh, layout: BlockCyclic, inverse: bool, a_sharding: NamedSharding | None):
+    def body(a):
+        factor, info = potrf_local(a, layout)
+        return (inverse_local(factor, layout) if inverse else factor), info
+
+    local = smap(body, in_specs=(cyclic_spec(mesh),), out_specs=(cyclic_spec(mesh), PartitionSpec()), mesh=mesh,
+                 expand=False)
+
+    @jax.jit
+    def run(a):
+        out, info = local(to_cyclic(a, layout))
+        return _constrain(from_cyclic(out, layout), a_sharding), info
+
+    return run
+
+
+def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_specs: Any = None, *,
+          tile: int | None = None, return_status: bool = False, return_logdet: bool = False) -> Any:
+    """Solve ``a x = b`` for a Hermitian positive definite ``a`` by a distributed blocked Cholesky factorisation.
+
+    ``a`` may be sharded by rows ``P(r, None)``, columns ``P(None, c)`` or both ``P(r, c)`` over any mesh; it is
+    redistributed to a 1D block-cyclic column layout over every device of the mesh (``tile`` columns per block,
+    padded internally for any ``N``), factored there, and solved by distributed triangular solves. Only the lower
+    triangle of ``a`` is read (LAPACK's convention). Differentiable in ``a`` and ``b`` (custom VJP; with
+    ``return_logdet`` the log-determinant too).
+
+    Also accepts jaxmg's call ``potrs(a, b, T_A, mesh, in_specs)``: ``T_A`` is the tile, ``in_specs = (spec_a,
+    spec_b)`` places host arrays; arrays that already carry a sharding keep it, and specs naming axes the mesh does
+    not have (jaxmg's placeholder ``"T"``) are ignored.
+
+    Args:
+        a: `(N, N)` Hermitian positive definite, float32/float64/complex64/complex128.
+        b: `(N,)` or `(N, K)` right-hand sides, ``a``'s dtype.
+        T_A: jaxmg's name for ``tile``.
+        mesh: the mesh; default the mesh ``a`` is sharded on, else the context mesh, else ``sx.flat_mesh()``.
+        in_specs: jaxmg's ``(spec_a, spec_b)``.
+        tile: block size (default 256; reduced for small ``N`` so that padding stays below a block per device).
+        return_status: also return the LAPACK ``info``: 0, or ``k > 0`` when the leading minor of order ``k`` is
+            not positive definite (``x`` and ``logdet`` are then NaN).
+        return_logdet: also return ``log det a`` (real).
+
+    Returns:
+        ``x`` (``b``'s shape and sharding), then ``logdet`` if asked, then ``status`` if asked (jaxmg's order).
+
+    Example:
+        >>> import jax.numpy as jnp, shardax as sx
+        >>> a = 2.0 * jnp.eye(5) + 0.1
+        >>> x, logdet, status = sx.linalg.potrs(a, jnp.ones(5), tile=2, return_logdet=True, return_status=True)
+        >>> bool(jnp.allclose(a @ x, 1.0, atol=1e-5)), int(status)
+        (True, 0)
+    """
+    check_flag(return_status, "return_status")
+    check_flag(return_logdet, "return_logdet")
+    size = check_tile(tile, T_A)
+    check_matrix(a)
+    check_rhs(b, a)
+    the_mesh = resolve_mesh(mesh, a)
+    a, b = apply_in_specs(a, b, the_mesh, in_specs)
+    layout = BlockCyclic.create(a.shape[0], size, the_mesh.size)
+    x, logdet, info = _solver(the_mesh, layout, return_logdet, user_sharding(b, the_mesh))(a, b)
+    out: tuple = (x,) + ((logdet,) if return_logdet else ()) + ((info,) if return_status else ())
+    return out[0] if len(out) == 1 else out
+
+
+def potrf(a: Any, *, tile: int = 256, mesh: Mesh | None = None, return_status: bool = False) -> Any:
+    """Lower Cholesky factor ``L`` (``a = L L^H``) of a Hermitian positive definite ``a``, distributed.
+
+    Blocked right-looking factorisation on a 1D block-cyclic column layout (see :func:`potrs`); only the lower
+    triangle of ``a`` is read.
+
+    Args:
+        a: `(N, N)` Hermitian positive definite, sharded by rows, columns or both over any mesh.
+        tile: block size (default 256).
+        mesh: as in :func:`potrs`.
+        return_status: also return the LAPACK ``info`` (``L`` is all NaN when it is positive).
+
+    Returns:
+        `L: (N, N)` lower triangular with ``a``'s sharding, then ``status`` if asked.
+
+    Example:
+        >>> import jax.numpy as jnp, shardax as sx
+        >>> a = jnp.array([[4.0, 2.0], [2.0, 5.0]])
+        >>> sx.linalg.potrf(a).tolist()
+        [[2.0, 0.0], [1.0, 2.0]]
+    """
+    return _factor_api(a, tile, mesh, return_status, inverse=False)
+
+
+def potri(a: Any, *, tile: int = 256, mesh: Mesh | None = None, return_status: bool = False) -> Any:
+    """Inverse of a Hermitian positive definite ``a`` through its distributed Cholesky factor.
+
+    ``a^{-1} = L^{-H} L^{-1}``: ``L^{-1}`` is solved with its columns distributed like ``L``'s, then each device
+    forms its columns of the product (about ``4 N^3 / P`` flops per device after the factorisation).
+
+    Args:
+        a: `(N, N)` Hermitian positive definite, sharded by rows, columns or both over any mesh.
+        tile: block size (default 256).
+        mesh: as in :func:`potrs`.
+        return_status: also return the LAPACK ``info`` (the inverse is all NaN when it is positive).
+
+    Returns:
+        `(N, N)` the inverse with ``a``'s sharding, then ``status`` if asked.
+
+    Example:
+        >>> import jax.numpy as jnp, shardax as sx
+        >>> sx.linalg.potri(jnp.array([[4.0, 0.0], [0.0, 2.0]])).tolist()
+        [[0.25, 0.0], [0.0, 0.5]]
+    """
+    return _factor_api(a, tile, mesh, return_status, inverse=True)
+
+
+def _factor_api(a: Any, tile: int, mesh: Mesh | None, return_status: bool, *, inverse: bool) -> Any:
+    check_flag(return_status, "return_status")
+    size = check_tile(tile)
+    check_matrix(a)
+    the_mesh = resolve_mesh(mesh, a)
+    layout = BlockCyclic.create(a.shape[0], size, the_mesh.size)
+    out, info = _factor(the_mesh, layout, inverse, user_sharding(a, the_mesh))(a)
+    return (out, info) if return_status else out

@@ -1,0 +1,101 @@
+"""Argument checking and mesh resolution shared by the global ``sx.linalg`` functions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.core import Tracer
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ..core import default_mesh
+
+SUPPORTED_DTYPES = (jnp.float32, jnp.float64, jnp.complex64, jnp.complex128)
+DEFAULT_TILE = 256
+
+
+def check_matrix(a: Any, name: str = "a") -> Any:
+    """``a`` if it is a square 2D floating or complex array; TypeError/ValueError otherwise."""
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        raise TypeError(f"{name} must be a jax.Array or numpy array, got {type(a).__name__}")
+    if len(a.shape) != 2 or a.shape[0] != a.shape[1]:
+        raise ValueError(f"{name} must be a square (N, N) matrix, got shape {tuple(a.shape)}")
+    if a.shape[0] == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(a.shape)}); N must be at least 1")
+    check_dtype(a.dtype, name)
+    return a
+
+
+def check_dtype(dtype: Any, name: str) -> None:
+    if np.dtype(dtype) not in [np.dtype(d) for d in SUPPORTED_DTYPES]:
+        raise TypeError(f"{name} has dtype {np.dtype(dtype)}; sx.linalg supports float32, float64, complex64 and "
+                        f"complex128 (float64/complex128 need jax_enable_x64): cast it, e.g. {name}.astype("
+                        "jnp.float32)")
+
+
+def check_rhs(b: Any, a: Any) -> Any:
+    """``b`` if it is a vector ``(N,)`` or matrix ``(N, K)`` of ``a``'s dtype."""
+    if not hasattr(b, "shape") or not hasattr(b, "dtype"):
+        raise TypeError(f"b must be a jax.Array or numpy array, got {type(b).__name__}")
+    n = a.shape[0]
+    if len(b.shape) not in (1, 2) or b.shape[0] != n:
+        raise ValueError(f"b must have shape ({n},) or ({n}, K) to match a of shape {tuple(a.shape)}, got "
+                         f"{tuple(b.shape)}")
+    if len(b.shape) == 2 and b.shape[1] == 0:
+        raise ValueError(f"b has no right-hand sides (shape {tuple(b.shape)})")
+    if np.dtype(b.dtype) != np.dtype(a.dtype):
+        raise TypeError(f"b has dtype {np.dtype(b.dtype)} but a has {np.dtype(a.dtype)}; cast b with "
+                        f"b.astype(a.dtype)")
+    return b
+
+
+def check_tile(tile: Any, t_a: Any = None) -> int:
+    """The block size from ``tile`` or jaxmg's ``T_A`` (positive ints; they must agree when both are given)."""
+    if t_a is not None and tile is not None and t_a != tile:
+        raise ValueError(f"T_A={t_a!r} and tile={tile!r} disagree; pass only one of them")
+    value = tile if tile is not None else t_a if t_a is not None else DEFAULT_TILE
+    name = "tile" if tile is not None else "T_A"
+    if not isinstance(value, int | np.integer) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a positive int (the block size), got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int (the block size), got {value}; try {DEFAULT_TILE}")
+    return int(value)
+
+
+def check_flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def resolve_mesh(mesh: Mesh | None, a: Any) -> Mesh:
+    """``mesh``, else the mesh ``a`` is sharded on, else the context mesh or :func:`shardax.flat_mesh`."""
+    if mesh is not None:
+        return default_mesh(mesh)
+    sharding = None if isinstance(a, Tracer) else getattr(a, "sharding", None)
+    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
+        return sharding.mesh
+    return default_mesh(None)
+
+
+def apply_in_specs(a: Any, b: Any, mesh: Mesh, in_specs: Any) -> tuple[Any, Any]:
+    """jaxmg's ``in_specs=(spec_a, spec_b)``: place host arrays with those specs. Arrays that already carry a
+    sharding keep it (the layout is read from the array), and specs naming axes that ``mesh`` does not have (jaxmg
+    examples use the placeholder ``"T"``) leave the argument as it is."""
+    if in_specs is None:
+        return a, b
+    if not isinstance(in_specs, tuple | list) or len(in_specs) != 2 or \
+            not all(isinstance(s, PartitionSpec) for s in in_specs):
+        raise TypeError(f"in_specs must be a pair (spec_a, spec_b) of PartitionSpecs, got {in_specs!r}")
+    return _place(a, in_specs[0], mesh), _place(b, in_specs[1], mesh)
+
+
+def _place(x: Any, spec: PartitionSpec, mesh: Mesh) -> Any:
+    if isinstance(x, Tracer) or isinstance(getattr(x, "sharding", None), NamedSharding):
+        return x
+    names = [n for entry in spec if entry is not None for n in ((entry,) if isinstance(entry, str) else entry)]
+    if any(n not in mesh.axis_names for n in names):
+        return x
+    return jax.device_put(x, NamedSharding(mesh, spec))
