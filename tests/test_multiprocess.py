@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from comm_checks import run_all_in_world, to_numpy
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
+from comm_checks import run_all_in_world, to_numpy
 
 
 def _mpi4jax_style(arr):

@@ -7,11 +7,13 @@ Importing shardax changes no JAX configuration and starts no backend.
 """
 
 from . import comm as comm
+from . import core as core
 from . import fft as fft
 from . import fields as fields
 from . import io as io
 from . import linalg as linalg
 from . import particles as particles
+from . import runtime as runtime
 from . import spatial as spatial
 from . import testing as testing
 from ._errors import CapacityError as CapacityError

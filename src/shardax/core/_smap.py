@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -12,6 +13,8 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from ..runtime import flat_mesh
+from ..runtime._guard import guard_call, last_call
+from ..runtime._watchdog import watch
 
 
 class _AllAxes:
@@ -90,6 +93,24 @@ def default_mesh(mesh: Mesh | None) -> Mesh:
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
     return mesh
+
+
+def _stable_repr(value: Any) -> str:
+    """A description of a static value that is the same in every process (no memory addresses)."""
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
+
+
+def _describe_arg(value: Any) -> str:
+    leaves = jax.tree_util.tree_leaves_with_path(value)
+    parts = []
+    for path, leaf in leaves:
+        dtype = getattr(leaf, "dtype", None)
+        dtype = np.dtype(dtype).name if dtype is not None else type(leaf).__name__
+        where = jax.tree_util.keystr(path)
+        parts.append(f"{where + ': ' if where else ''}{dtype}{tuple(np.shape(leaf))}")
+    return parts[0] if len(parts) == 1 and not jax.tree_util.keystr(leaves[0][0]) else "{" + ", ".join(parts) + "}"
 
 
 def _broadcast_specs(specs: Any, tree: Any, where: str) -> Any:
@@ -180,6 +201,7 @@ def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = N
     except (TypeError, ValueError):
         signature = None
     name = getattr(f, "__name__", repr(f))
+    qualname = f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', name)}"
     cache: dict[Hashable, Callable] = {}
 
     def bind(args: tuple, kwargs: dict) -> tuple:
@@ -236,7 +258,18 @@ def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = N
             if jit:
                 fn = jax.jit(fn)
                 cache[key] = fn
-        return fn(*dyn_args)
+        leaves = jax.tree.leaves(dyn_args)
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+            return fn(*dyn_args)  # traced inside an outer jit: the outer call is what runs
+        signature = tuple((np.shape(leaf), str(getattr(leaf, "dtype", type(leaf).__name__))) for leaf in leaves)
+        guard_call((key, signature), qualname,
+                   [(arg_name(i), _describe_arg(args[i])) for i in dyn_idx],
+                   ", ".join(f"{arg_name(i)}={_stable_repr(v)}" for i, v in zip(static, static_vals, strict=True)),
+                   f"{dict(the_mesh.shape)}")
+        out = fn(*dyn_args)
+        number, description = last_call()
+        watch(number, description, out)
+        return out
 
     return global_fn
 

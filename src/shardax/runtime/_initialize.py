@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
 import jax
@@ -34,6 +35,28 @@ def _set_cpu_devices(count: int) -> None:
             "call sx.initialize(...) before any other JAX call (creating an array or listing devices starts "
             "the backend)")
     jax.config.update("jax_num_cpu_devices", count)
+
+
+def _abort_on_uncaught_exception() -> None:
+    """End this process at once on an uncaught exception (after printing it), like ``python -m mpi4py``.
+
+    Otherwise the interpreter's exit runs ``jax.distributed.shutdown``, whose barrier waits (minutes) for processes
+    that may be stuck in a collective this one will never join; the launcher then tears down the others at once.
+    ``SHARDAX_ABORT_ON_EXCEPTION=0`` keeps Python's normal exit.
+    """
+    if os.environ.get("SHARDAX_ABORT_ON_EXCEPTION", "1") == "0" or getattr(sys.excepthook, "_shardax", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):  # type: ignore[no-untyped-def]
+        previous(kind, value, traceback)
+        print(f"shardax: process {jax.process_index()} ends on an uncaught {kind.__name__} (exit code 1)",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+
+    hook._shardax = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -124,4 +147,6 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                     f"{info.coordinator_address} (from {info.source}) within {timeout_s} s: {err}") from err
         _started = info
         os.environ.setdefault("SHARDAX_INITIALIZED", "1")
+        if info.num_processes > 1:
+            _abort_on_uncaught_exception()
         return world()

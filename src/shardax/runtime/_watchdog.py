@@ -1,0 +1,143 @@
+"""Watchdog: a distributed call that does not finish in time ends the run with a report instead of a hang.
+
+A hung collective cannot be interrupted from Python, so the watchdog reports and then ends the process
+(``os._exit(75)``); the launcher (``shardax launch``, ``mpirun``, ``srun``) then ends the other processes. Each
+watched call is queued with its description; one thread waits for the calls in order (``block_until_ready``), another
+checks the oldest unfinished call's age. Before exiting, the process posts what it was doing to the distributed
+key-value store and prints what the other processes posted within a few seconds (their watchdogs fire too).
+
+Configure with ``SHARDAX_WATCHDOG_S`` (seconds; ``0`` disables; default 1800 in multi-process runs, off in one
+process) or :func:`configure_watchdog`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import jax
+
+EXIT_CODE = 75
+
+
+@dataclasses.dataclass
+class _Pending:
+    number: int
+    description: str
+    started: float
+    outputs: Any
+
+
+class _Watchdog:
+    def __init__(self) -> None:
+        env = os.environ.get("SHARDAX_WATCHDOG_S")
+        self.timeout_s: float | None = float(env) if env not in (None, "") else None
+        self.queue: collections.deque[_Pending] = collections.deque()
+        self.cond = threading.Condition()
+        self.threads_started = False
+        self.last_done = ""
+
+    def effective_timeout(self) -> float:
+        if self.timeout_s is not None:
+            return self.timeout_s
+        return 1800.0 if jax.process_count() > 1 else 0.0
+
+    def watch(self, number: int, description: str, outputs: Any) -> None:
+        timeout = self.effective_timeout()
+        if timeout <= 0:
+            return
+        with self.cond:
+            if not self.threads_started:
+                threading.Thread(target=self._waiter, name="shardax-watchdog-waiter", daemon=True).start()
+                threading.Thread(target=self._monitor, name="shardax-watchdog", daemon=True).start()
+                self.threads_started = True
+            self.queue.append(_Pending(number, description, time.monotonic(), outputs))
+            self.cond.notify_all()
+
+    def _waiter(self) -> None:
+        while True:
+            with self.cond:
+                while not self.queue:
+                    self.cond.wait()
+                item = self.queue[0]
+            # A failure surfaces in the caller's thread; the call is over either way.
+            with contextlib.suppress(Exception):
+                jax.block_until_ready(item.outputs)
+            with self.cond:
+                if self.queue and self.queue[0] is item:
+                    self.queue.popleft()
+                self.last_done = f"#{item.number} {item.description}"
+                item.outputs = None
+
+    def _monitor(self) -> None:
+        while True:
+            time.sleep(0.5)
+            timeout = self.effective_timeout()
+            with self.cond:
+                oldest = self.queue[0] if self.queue else None
+            if oldest is None or timeout <= 0:
+                continue
+            age = time.monotonic() - oldest.started
+            if age > timeout:
+                self._fire(oldest, age)
+
+    def _fire(self, item: _Pending, age: float) -> None:
+        me = jax.process_index()
+        mine = (f"process {me}: distributed call #{item.number} {item.description} has not finished after "
+                f"{age:.0f} s (last finished: {self.last_done or 'none'})")
+        lines = [f"shardax watchdog: {mine}"]
+        try:
+            from jax._src import distributed
+
+            client = distributed.global_state.client
+            if client is not None:
+                client.key_value_set(f"shardax/watchdog/{me}", mine)
+                deadline = time.monotonic() + 5.0
+                others = {p for p in range(jax.process_count()) if p != me}
+                while others and time.monotonic() < deadline:
+                    for p in sorted(others):
+                        try:
+                            got = client.key_value_try_get(f"shardax/watchdog/{p}")
+                        except Exception:  # NOT_FOUND until that process posts
+                            continue
+                        if got:
+                            lines.append(f"shardax watchdog: {got}")
+                            others.discard(p)
+                    time.sleep(0.2)
+                for p in sorted(others):
+                    lines.append(f"shardax watchdog: process {p}: no report (it is not in a watched call: running "
+                                 "different code, blocked outside shardax, or gone)")
+        except Exception as err:  # reporting must never stop the exit
+            lines.append(f"shardax watchdog: could not collect the other processes' reports ({err})")
+        lines.append(f"shardax watchdog: ending process {me} with exit code {EXIT_CODE} (set SHARDAX_WATCHDOG_S to "
+                     "change the limit)")
+        sys.stdout.flush()
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        os._exit(EXIT_CODE)
+
+
+_watchdog = _Watchdog()
+
+
+def configure_watchdog(timeout_s: float | None) -> None:
+    """Set the watchdog limit in seconds for one distributed call (``0`` disables, ``None`` restores the default).
+
+    Example:
+        >>> import shardax as sx
+        >>> sx.runtime.configure_watchdog(600)
+        >>> sx.runtime.configure_watchdog(None)
+    """
+    if timeout_s is not None and timeout_s < 0:
+        raise ValueError(f"timeout_s must be >= 0 (0 disables the watchdog), got {timeout_s!r}")
+    _watchdog.timeout_s = timeout_s
+
+
+def watch(number: int, description: str, outputs: Any) -> None:
+    """Watch the outputs of distributed call ``number``; the run ends with a report if they are not ready in time."""
+    _watchdog.watch(number, description, outputs)

@@ -1,0 +1,78 @@
+"""Never hang: the program guard, the watchdog and dead processes, provoked for real in 2 processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import shardax as sx
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "diverge.py")
+pytestmark = pytest.mark.multiprocess
+
+
+def _launch(monkeypatch, scenario, **env):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    t0 = time.monotonic()
+    result = sx.testing.launch_script(SCRIPT, scenario, num_processes=2, cpu_devices=2, timeout_s=120)
+    return result, time.monotonic() - t0
+
+
+def test_guard_names_the_disagreeing_shapes(monkeypatch):
+    result, elapsed = _launch(monkeypatch, "shape")
+    assert result.returncode != 0
+    assert "ProgramMismatchError" in result.output
+    assert "with argument 'x' of step float32(4, 1024), process" in result.output or \
+        "with argument 'x' of step float32(4, 1500), process" in result.output, result.output
+    assert "finished" not in result.output
+    assert elapsed < 30, elapsed
+
+
+def test_guard_times_out_on_a_process_running_an_old_program(monkeypatch):
+    result, elapsed = _launch(monkeypatch, "stale", SHARDAX_GUARD_TIMEOUT="5")
+    assert result.returncode != 0
+    assert "process 1 did not reach shardax's program check #2 within 5 s" in result.output, result.output
+    assert elapsed < 40, elapsed
+
+
+def test_strict_guard_catches_it_at_once(monkeypatch):
+    result, elapsed = _launch(monkeypatch, "strict", SHARDAX_GUARD="strict", SHARDAX_GUARD_TIMEOUT="60")
+    assert result.returncode != 0
+    assert "ProgramMismatchError" in result.output and "float32(4, 2000)" in result.output, result.output
+    assert elapsed < 30, elapsed
+
+
+def test_watchdog_reports_and_ends_a_stuck_run(monkeypatch):
+    result, elapsed = _launch(monkeypatch, "watchdog", SHARDAX_GUARD="off", SHARDAX_WATCHDOG_S="4")
+    assert result.returncode == 75, result.output
+    assert "shardax watchdog: process 0: distributed call #2" in result.output, result.output
+    assert "process 1: no report" in result.output
+    assert elapsed < 40, elapsed
+
+
+def test_dead_process_ends_the_run(monkeypatch):
+    result, elapsed = _launch(monkeypatch, "die", SHARDAX_GUARD="off")
+    assert result.returncode == 3, result.output
+    assert "rank 1 exited with code 3" in result.output, result.output
+    assert elapsed < 30, elapsed
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
+def test_dead_process_ends_the_run_under_mpirun():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDAX_")}
+    env.update(JAX_NUM_CPU_DEVICES="2", SHARDAX_GUARD="off", JAX_PLATFORMS="cpu")
+    t0 = time.monotonic()
+    out = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, SCRIPT,
+                          "die"], capture_output=True, text=True, timeout=120, env=env)
+    elapsed = time.monotonic() - t0
+    assert out.returncode != 0
+    assert "finished" not in out.stdout
+    assert elapsed < 40, (elapsed, out.stdout, out.stderr)
