@@ -189,9 +189,8 @@ def _with_num(tree: Any, num: jax.Array) -> Any:
         return tree
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
         return dataclasses.replace(tree, num=num)
-    if hasattr(tree, "_replace"):
-        return tree._replace(num=num)
-    return tree
+    replace = getattr(tree, "_replace", None)  # namedtuple
+    return replace(num=num) if replace is not None else tree
 
 
 def exchange(tree: Any, dest: jax.Array, *, num: jax.Array | int, capacity: int, axis: AxisSpec = None,

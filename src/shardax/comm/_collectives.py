@@ -293,10 +293,12 @@ def sendrecv(x: jax.Array, pairs: Sequence[tuple[int, int]], *, axis: AxisSpec =
     """
     axes = resolve_axes(axis)
     size = axes_size(axes)
-    pairs = [tuple(p) for p in pairs]
+    checked: list[tuple[int, int]] = []
     for p in pairs:
         if len(p) != 2 or not all(isinstance(r, int) and 0 <= r < size for r in p):
             raise ValueError(f"sendrecv pairs must be (src, dst) ranks in [0, {size}), got {p!r}")
+        checked.append((int(p[0]), int(p[1])))
+    pairs = checked
     srcs = [p[0] for p in pairs]
     dsts = [p[1] for p in pairs]
     if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):

@@ -9,6 +9,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import jax
+from jax.core import Tracer
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
@@ -259,7 +260,7 @@ def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = N
                 fn = jax.jit(fn)
                 cache[key] = fn
         leaves = jax.tree.leaves(dyn_args)
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        if any(isinstance(leaf, Tracer) for leaf in leaves):
             return fn(*dyn_args)  # traced inside an outer jit: the outer call is what runs
         signature = tuple((np.shape(leaf), str(getattr(leaf, "dtype", type(leaf).__name__))) for leaf in leaves)
         guard_call((key, signature), qualname,

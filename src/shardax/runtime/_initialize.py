@@ -7,6 +7,8 @@ import sys
 import threading
 
 import jax
+from jax._src import config as jax_config
+from jax._src import xla_bridge
 
 from .._errors import DistributedSetupError
 from ._env import LaunchInfo, detect
@@ -17,13 +19,11 @@ _started: LaunchInfo | None = None
 
 
 def _backend_started() -> bool:
-    from jax._src import xla_bridge
-
     return xla_bridge.backends_are_initialized()
 
 
 def _set_cpu_devices(count: int) -> None:
-    current = jax.config.jax_num_cpu_devices
+    current = xla_bridge.num_cpu_devices.value
     if current == count:
         return
     if _backend_started():
@@ -127,7 +127,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             return world()
         if cpu_devices is not None:
             _set_cpu_devices(cpu_devices)
-        if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):
+        if jax_config.cpu_collectives_implementation.value in (None, "", "none"):
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         from jax._src import distributed
 

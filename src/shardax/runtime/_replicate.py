@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import jax
+from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 
@@ -52,7 +53,7 @@ def host_replicate(x: jax.Array, mesh: Mesh, axis: str = "hosts") -> jax.Array:
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if axis not in mesh.axis_names:
         raise ValueError(f"axis={axis!r} is not an axis of the mesh (axes: {mesh.axis_names})")
-    if isinstance(x, jax.core.Tracer):
+    if isinstance(x, Tracer):
         spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or PartitionSpec()
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, _drop_axis(spec, axis)))
     sharding = getattr(x, "sharding", None)

@@ -9,6 +9,7 @@ from typing import Literal
 
 import jax
 import numpy as np
+from jax._src.lib import _jax
 from jax.sharding import AxisType, Mesh
 
 from .._errors import DistributedSetupError
@@ -62,9 +63,9 @@ def _count_hosts() -> int:
     return len(names)
 
 
-def validate_devices(devices: Sequence[jax.Device]) -> None:
+def validate_devices(devices: Sequence[_jax.Device]) -> None:
     """Equal local device counts and one device kind across processes, or an error naming the processes."""
-    by_process: dict[int, list[jax.Device]] = {}
+    by_process: dict[int, list[_jax.Device]] = {}
     for d in devices:
         by_process.setdefault(d.process_index, []).append(d)
     counts = {p: len(ds) for p, ds in sorted(by_process.items())}
@@ -110,7 +111,7 @@ def device_grid() -> np.ndarray:
     """
     devices = jax.devices()
     validate_devices(devices)
-    by_process: dict[int, list[jax.Device]] = {}
+    by_process: dict[int, list[_jax.Device]] = {}
     for d in devices:
         by_process.setdefault(d.process_index, []).append(d)
     rows = [sorted(by_process[p], key=lambda d: d.id) for p in sorted(by_process)]
