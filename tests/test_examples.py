@@ -1,0 +1,30 @@
+"""Every script in examples/ runs green as 2 processes x 4 CPU devices through the launcher (and, for the
+single-process-capable ones, as a plain `python` run)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import shardax as sx
+
+EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_example_two_processes(example):
+    result = sx.testing.launch_script(str(example), num_processes=2, cpu_devices=4, timeout_s=400)
+    assert result.returncode == 0, result.output
+    assert "[0] " in result.output and "[1] " in result.output
+
+
+def test_seed004_smap_single_process():
+    example = Path(__file__).parent.parent / "examples" / "seed004_smap.py"
+    out = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300,
+                         env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "JAX_NUM_CPU_DEVICES": "1"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "outside (1, 10000, 3) (1,) ()" in out.stdout
