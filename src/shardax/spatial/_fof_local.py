@@ -29,6 +29,16 @@ from ._grid import SENTINEL_KEY, Domain, Grid, cell_coords, cell_keys
 _MAX_CELLS = {2: 2**15 - 1, 3: 2**10 - 1}
 
 
+def vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """``x`` marked as varying over the manual mesh axes ``like`` varies over (loop carries must agree)."""
+
+    def varying(a: jax.Array) -> frozenset[str]:
+        return frozenset(getattr(getattr(jax.typeof(a), "manual_axis_type", None), "varying", ()))
+
+    missing = tuple(sorted(varying(like) - varying(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
 class Tuning(NamedTuple):
     """Static sizes of the pair search (changing them recompiles)."""
 
@@ -56,11 +66,16 @@ class SortedPoints(NamedTuple):
     coords: jax.Array
 
 
-def link_grid(domain: Domain, num: jax.Array, linking_length: jax.Array, per_cell: float) -> Grid:
-    """A grid of about ``per_cell`` points per cell whose cells are never narrower than the linking length."""
+def link_grid(domain: Domain, num: jax.Array, linking_length: jax.Array, per_cell: float,
+              volume: jax.Array | None = None) -> Grid:
+    """A grid of about ``per_cell`` points per cell whose cells are never narrower than the linking length.
+
+    ``volume`` is the volume the ``num`` points occupy (default: the whole domain); a device holding a small piece
+    of a periodic box sizes its cells by its own piece while the grid still spans the box.
+    """
     dim = domain.extent.shape[0]
     ext = jnp.maximum(domain.extent, jnp.max(domain.extent) * 1e-6).astype(jnp.float32)
-    volume = jnp.prod(ext)
+    volume = jnp.prod(ext) if volume is None else jnp.clip(volume.astype(jnp.float32), 1e-30, jnp.prod(ext))
     side = (volume * per_cell / jnp.maximum(num, 1).astype(jnp.float32)) ** (1.0 / dim)
     side = jnp.maximum(side, linking_length.astype(jnp.float32))
     cells = jnp.clip(jnp.floor(ext / side), 1, _MAX_CELLS[dim]).astype(jnp.int32)
@@ -223,7 +238,8 @@ def find_links(points: SortedPoints, num: jax.Array, linking_length: jax.Array, 
         return first_out, second_out, count + found
 
     pad = edge_capacity + step_edges
-    init = (jnp.full((pad,), -1, jnp.int32), jnp.full((pad,), -1, jnp.int32), jnp.int32(0))
+    init = tuple(vary_like(x, points.pos) for x in (jnp.full((pad,), -1, jnp.int32), jnp.full((pad,), -1, jnp.int32),
+                                                     jnp.int32(0)))
     num_tiles = (num_items + batch - 1) // batch
     first_out, second_out, count = lax.fori_loop(0, num_tiles, tile, init)
     live = jnp.arange(edge_capacity, dtype=jnp.int32) < count
@@ -249,4 +265,4 @@ def components(links: Links, n: int) -> jax.Array:
         parent = parent.at[hi].min(lo)
         return compress(parent)
 
-    return lax.while_loop(unsettled, hook, jnp.arange(n, dtype=jnp.int32))
+    return lax.while_loop(unsettled, hook, vary_like(jnp.arange(n, dtype=jnp.int32), links.first))

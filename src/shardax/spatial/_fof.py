@@ -1,0 +1,313 @@
+"""Friends-of-friends groups: ``fof`` in the local view and its global version ``fof.smap``.
+
+One code path at every scale. On one device the particles are linked directly (``_fof_local``). On several, they are
+first sorted into global z-order (compact pieces of space per device), boundary particles are exchanged as ghosts and
+labels merged across devices (``_fof_halo``), and the labels travel back to the rows they came from. Groups are
+summarised into a :class:`Catalogue` by exact, order-independent sums (``_catalogue``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from .._errors import CapacityError
+from ..comm import allreduce, exchange, scan
+from ..core import ALL, rank_info, smap
+from ..particles._domain import domain_of
+from ..particles._particles import check_positions
+from ..particles._zsort import sort_particles
+from ._catalogue import Catalogue, Partial, finish, partial_sums
+from ._fof_halo import INT_MAX, boundary_totals, exchange_ghosts, merge_labels, segment_min_labels
+from ._fof_local import Tuning, components, find_links, link_grid, sort_points
+from ._grid import open_domain, periodic_domain
+
+_CAPACITIES = ("edge_capacity", "halo_capacity", "max_groups", "capacity")
+
+
+class FofResult(NamedTuple):
+    """Result of :func:`fof`.
+
+    Attributes:
+        labels: `(n,)` int32 group label of each input row (smallest global input index of the group's members),
+            -1 for rows in groups smaller than ``min_members`` and for padding rows.
+        catalogue: the :class:`Catalogue` of the groups with at least ``min_members`` members.
+        overflow: bool, true when a buffer was too small (results incomplete; the global wrapper raises
+            :class:`shardax.CapacityError` instead).
+        needed: `(4,)` int32 rows needed by ``edge_capacity``, ``halo_capacity``, ``max_groups`` and the particle
+            capacity, on this device.
+    """
+
+    labels: jax.Array
+    catalogue: Catalogue
+    overflow: jax.Array
+    needed: jax.Array
+
+
+class _Rows(NamedTuple):
+    """What travels with each particle through the z-order sort."""
+
+    pos: jax.Array
+    num: jax.Array
+    mass: jax.Array
+    vel: jax.Array
+    ids: jax.Array
+    home_rank: jax.Array
+    home_row: jax.Array
+
+
+def _positive_int(value: Any, name: str, *, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive Python int, got {value!r}")
+    return value
+
+
+def _box_vector(box: Any, dim: int, dtype: Any) -> jax.Array | None:
+    if box is None:
+        return None
+    if isinstance(box, bool) or not isinstance(box, int | float | tuple | list | jax.Array | np.ndarray | np.generic):
+        raise TypeError(f"box must be None, a positive number or a sequence of {dim} numbers, got "
+                        f"{type(box).__name__}")
+    vec = jnp.broadcast_to(jnp.asarray(box, dtype), (dim,)) if jnp.ndim(box) == 0 else jnp.asarray(box, dtype)
+    if vec.shape != (dim,):
+        raise ValueError(f"box must be a scalar or have {dim} entries (one per axis), got shape {vec.shape}")
+    if not isinstance(vec, Tracer) and not bool(jnp.all(vec > 0)):
+        raise ValueError(f"box must be positive (the periodic box size per axis), got {np.asarray(vec)}")
+    return vec
+
+
+def _check_linking_length(linking_length: Any, box: jax.Array | None, dtype: Any) -> jax.Array:
+    if isinstance(linking_length, bool) or jnp.ndim(linking_length) != 0:
+        raise TypeError(f"linking_length must be a positive scalar (absolute length), got {linking_length!r}")
+    ll = jnp.asarray(linking_length, dtype)
+    if not isinstance(ll, Tracer):
+        value = float(ll)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"linking_length must be positive and finite, got {linking_length!r}")
+        if box is not None and not isinstance(box, Tracer) and value > 0.5 * float(jnp.min(box)):
+            raise ValueError(f"linking_length {value} is larger than half the periodic box "
+                             f"({np.asarray(box).tolist()}); use a smaller linking length or a larger box")
+    return ll
+
+
+def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_members: int = 20,
+        max_groups: int | None = None, edge_capacity: int | None = None, halo_capacity: int | None = None,
+        tuning: Tuning = Tuning()) -> FofResult:
+    """Friends-of-friends groups of a particle set (local view; ``fof.smap()`` for global arrays).
+
+    Two particles closer than (or exactly at) ``linking_length`` are friends; groups are the transitive closure.
+    Exact at every scale: labels are identical on 1 device and on any number of devices and processes.
+
+    Args:
+        part: particle pytree (``.pos (n, d)`` with ``d`` in {2, 3}, ``.num``; optional ``.mass (n,)``,
+            ``.vel (n, d)``, ``.ids (n,)``). Without ``ids``, rows are numbered in global (device, row) order.
+        linking_length: absolute linking length (positive; at most half the periodic box).
+        box: periodic box size (scalar or per axis), or None for open boundaries.
+        min_members: smallest group that gets a label and a catalogue row.
+        max_groups: catalogue rows per device (static); default ``(n + halo_capacity) // min_members + 16``.
+        edge_capacity: pairs per device the linking may hold (static); default ``4 (n + halo_capacity) + 1024``.
+        halo_capacity: boundary particles per device sent and received (static, ignored on one device);
+            default ``n``.
+        tuning: static sizes of the pair search.
+
+    Returns:
+        :class:`FofResult`: ``labels (n,)`` aligned with the input rows, the ``catalogue``, ``overflow``, ``needed``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from shardax.particles import Particles
+        >>> from shardax.spatial._fof import fof
+        >>> pos = jnp.array([[0.0, 0, 0], [0.1, 0, 0], [0.5, 0, 0], [0.55, 0, 0]])
+        >>> res = fof(Particles(pos=pos, num=jnp.int32(4)), 0.2, min_members=2)
+        >>> res.labels.tolist(), res.catalogue.count[:2].tolist()
+        ([0, 0, 2, 2], [2, 2])
+
+    Global version with the host-side retry on overflow::
+
+        try:
+            res = fof.smap()(part, 0.2 * spacing, box=1.0)
+        except sx.CapacityError as err:          # err.argument names the buffer, err.needed its size
+            res = fof.smap()(part, 0.2 * spacing, box=1.0, **{err.argument: err.needed * 5 // 4})
+    """
+    n, dim = check_positions(part, "fof")
+    min_members = _positive_int(min_members, "min_members")
+    assert min_members is not None
+    pos = jnp.asarray(part.pos)
+    dtype = pos.dtype
+    boxv = _box_vector(box, dim, dtype)
+    ll = _check_linking_length(linking_length, boxv, dtype)
+    rank, size, _ = rank_info()
+    hc = 0 if size == 1 else (_positive_int(halo_capacity, "halo_capacity", allow_none=True) or n)
+    total_rows = n + hc
+    edge_cap = _positive_int(edge_capacity, "edge_capacity", allow_none=True) or 4 * total_rows + 1024
+    group_cap = _positive_int(max_groups, "max_groups", allow_none=True) or total_rows // min_members + 16
+
+    num = jnp.clip(jnp.asarray(part.num, jnp.int32), 0, n)
+    rows = jnp.arange(n, dtype=jnp.int32)
+    valid = rows < num
+    if not isinstance(pos, Tracer) and not bool(jnp.all(jnp.isfinite(jnp.where(valid[:, None], pos, 0)))):
+        raise ValueError("fof: part.pos has NaN or infinite coordinates; remove or fix those particles")
+    mass = getattr(part, "mass", None)
+    mass = jnp.ones((n,), dtype) if mass is None else jnp.broadcast_to(jnp.asarray(mass, dtype), (n,))
+    vel = getattr(part, "vel", None)
+    vel = jnp.zeros((n, dim), dtype) if vel is None else jnp.asarray(vel, dtype)
+    ids = getattr(part, "ids", None)
+    ids = (scan(num, inclusive=False) if size > 1 else 0) + rows if ids is None else jnp.asarray(ids, jnp.int32)
+    carry = _Rows(pos, num, mass, vel, ids, jnp.full((n,), rank, jnp.int32), rows)
+
+    rows_needed = num
+    overflow = jnp.zeros((), bool)
+    if size > 1:
+        result = sort_particles(carry, box, True, n)
+        carry = result.part
+        rows_needed, overflow = result.needed, result.overflow
+        domain = domain_of(carry, result.key_box, 64)
+    elif boxv is not None:
+        carry = carry._replace(pos=carry.pos - boxv * jnp.floor(carry.pos / boxv))
+    num = carry.num
+    own_valid = rows < num
+
+    # Own rows, then ghosts from the other devices.
+    if size > 1:
+        halo = exchange_ghosts(carry.pos, carry.ids, num, domain, ll, boxv, rank, size, hc)
+        ghost_valid = jnp.arange(hc, dtype=jnp.int32) < halo.num
+        pos_all = jnp.concatenate([carry.pos, halo.pos])
+        ids_all = jnp.concatenate([carry.ids, halo.ids])
+        valid_all = jnp.concatenate([own_valid, ghost_valid])
+        lower, upper = domain.cell_lower[rank], domain.cell_upper[rank]
+        occupied = domain.cell_count[rank] > 0
+        extent = jnp.where(occupied[:, None], upper - lower + ll, 0).astype(jnp.float32)
+        volume = jnp.sum(jnp.prod(extent, axis=1))
+    else:
+        pos_all, ids_all, valid_all, volume = carry.pos, carry.ids, own_valid, None
+    big = total_rows
+    link_domain = open_domain(pos_all, valid_all) if boxv is None else periodic_domain(boxv)
+    count_all = jnp.sum(valid_all, dtype=jnp.int32)
+    grid = link_grid(link_domain, count_all, ll, tuning.per_cell, volume)
+    points = sort_points(pos_all, valid_all, link_domain, grid)
+    links = find_links(points, count_all, ll, link_domain, grid, edge_capacity=edge_cap, tuning=tuning)
+    root = components(links, big)
+    component = jnp.zeros((big,), jnp.int32).at[points.rows].set(points.rows[root])
+    labels = segment_min_labels(jnp.where(valid_all, ids_all, INT_MAX), component)
+
+    halo_needed = jnp.int32(0)
+    if size > 1:
+        labels = merge_labels(labels, component, halo, n, hc)
+        halo_needed = halo.needed
+        overflow = overflow | halo.overflow
+
+    # Per-component sums of own members; components with ghosts are pieces of groups that cross devices.
+    own_rows = jnp.concatenate([own_valid, jnp.zeros((hc,), bool)])
+    mass_all = jnp.concatenate([carry.mass, jnp.zeros((hc,), dtype)])
+    vel_all = jnp.concatenate([carry.vel, jnp.zeros((hc, dim), dtype)])
+    parts = partial_sums(pos_all, mass_all, vel_all, component, own_rows, big, boxv)
+    if size > 1:
+        has_ghost = jax.ops.segment_max(jnp.concatenate([jnp.zeros((n,), jnp.int32), ghost_valid.astype(jnp.int32)]),
+                                        component, big) > 0
+        boundary = has_ghost & (parts.count > 0)
+        totals, home, home_label, home_first, piece_needed, piece_overflow = boundary_totals(
+            parts, labels, boundary, rank, size, hc, boxv)
+        group_count = jnp.where(boundary, totals, parts.count)
+        halo_needed = jnp.maximum(halo_needed, piece_needed)
+        overflow = overflow | piece_overflow
+        local_keep = ~boundary & (parts.count >= min_members)
+        cat_parts = Partial(*(jnp.concatenate([a, b]) for a, b in zip(parts, home, strict=True)))
+        cat_label = jnp.concatenate([labels, home_label])
+        keep = jnp.concatenate([local_keep, home_first & (home.count >= min_members)])
+    else:
+        group_count = parts.count
+        cat_parts, cat_label = parts, labels
+        keep = parts.count >= min_members
+    catalogue, groups_needed = finish(cat_parts, cat_label, keep, group_cap, boxv)
+
+    member = own_valid & (group_count[component[:n]] >= min_members)
+    own_label = jnp.where(member, labels[:n], -1)
+    if size > 1:
+        back, back_num, back_overflow = exchange({"row": carry.home_row, "label": own_label}, carry.home_rank,
+                                                 num=num, capacity=n)
+        live = rows < back_num
+        own_label = jnp.full((n,), -1, jnp.int32).at[jnp.where(live, back["row"], n)].set(back["label"],
+                                                                                         mode="drop")
+        overflow = overflow | back_overflow
+    needed = jnp.stack([links.num_edges, halo_needed, groups_needed, rows_needed]).astype(jnp.int32)
+    available = jnp.array([edge_cap, hc, group_cap, n], jnp.int32)
+    overflow = overflow | jnp.any(needed > available)
+    return FofResult(own_label, catalogue, overflow, needed)
+
+
+def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., FofResult]:
+    """``fof.smap(mesh=None, jit=True)``: :func:`fof` over global ``(ndev, n, ...)`` particle arrays.
+
+    The returned function takes the arguments of :func:`fof` (``linking_length`` and ``box`` as Python numbers: a
+    new value recompiles) and returns a :class:`FofResult` in the global view (``labels (ndev, n)``, catalogue
+    fields ``(ndev, g, ...)``). It raises :class:`shardax.CapacityError` naming the buffer to enlarge and
+    ``ValueError`` for NaN or infinite positions.
+    """
+    cache: dict[tuple, Callable[..., Any]] = {}
+
+    def call(part: Any, linking_length: float, *, box: Any = None, min_members: int = 20,
+             max_groups: int | None = None, edge_capacity: int | None = None, halo_capacity: int | None = None,
+             tuning: Tuning = Tuning()) -> FofResult:
+        if getattr(part, "pos", None) is None or not hasattr(part, "num") or jnp.ndim(part.pos) != 3:
+            raise ValueError("fof.smap: part must be a global particle pytree with pos of shape (ndev, n, d) "
+                             "(e.g. from shardax.particles.from_numpy); call fof() for the local view")
+        if isinstance(linking_length, bool) or not isinstance(linking_length, int | float | np.floating):
+            raise TypeError(f"fof.smap: linking_length must be a Python number, got {type(linking_length).__name__}")
+        static_box = None if box is None else (float(box) if np.ndim(box) == 0 else tuple(np.asarray(box).tolist()))
+        options = (float(linking_length), static_box, min_members, max_groups, edge_capacity, halo_capacity, tuning)
+        leaves, treedef = jax.tree.flatten(part)
+        key = (treedef, *options)
+        fn = cache.get(key)
+        if fn is None:
+            def body(leaves: list[jax.Array]) -> tuple[FofResult, tuple[jax.Array, jax.Array, jax.Array]]:
+                local = jax.tree.unflatten(treedef, leaves)
+                n = local.pos.shape[0]
+                valid = jnp.arange(n) < local.num
+                bad = jnp.sum(valid & ~jnp.all(jnp.isfinite(local.pos), axis=1)).astype(jnp.int32)
+                res = fof(local, float(linking_length), box=static_box, min_members=min_members,
+                          max_groups=max_groups, edge_capacity=edge_capacity, halo_capacity=halo_capacity,
+                          tuning=tuning)
+                flags = (allreduce(res.overflow.astype(jnp.int32), "max"), allreduce(res.needed, "max"),
+                         allreduce(bad))
+                return res, flags
+
+            fn = smap(body, in_specs=(ALL,), out_specs=(ALL, P()), mesh=mesh, jit=jit)
+            cache[key] = fn
+        res, (any_overflow, needed, bad) = fn(leaves)
+        if not isinstance(any_overflow, Tracer):
+            if int(bad):
+                raise ValueError(f"fof: {int(bad)} particle(s) have NaN or infinite coordinates in part.pos; "
+                                 "remove or fix them")
+            if int(any_overflow):
+                _raise_capacity(np.asarray(needed), part, max_groups, edge_capacity, halo_capacity, min_members)
+        return res
+
+    return call
+
+
+def _raise_capacity(needed: np.ndarray, part: Any, max_groups: int | None, edge_capacity: int | None,
+                    halo_capacity: int | None, min_members: int) -> None:
+    n = int(jnp.shape(part.pos)[1])
+    hc = halo_capacity or n
+    available = [edge_capacity or 4 * (n + hc) + 1024, hc, max_groups or (n + hc) // min_members + 16, n]
+    for name, need, have in zip(_CAPACITIES, needed.tolist(), available, strict=True):
+        if need > have:
+            fix = (f"pass {name}={need + need // 4 + 1}" if name != "capacity" else
+                   "give the particles more rows per device (capacity_factor of from_numpy)")
+            raise CapacityError(f"fof: a device needed {need} rows of {name} but has {have}; {fix}",
+                                needed=need + need // 4 + 1, available=have, argument=name)
+    raise CapacityError("fof: an exchange between devices overflowed; raise halo_capacity",
+                        needed=2 * hc, available=hc, argument="halo_capacity")
+
+
+fof.smap = _global_fof  # type: ignore[attr-defined]
