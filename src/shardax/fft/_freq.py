@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +12,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..core import default_mesh
-from ._layout import Layout, local_layout
+from ._layout import Layout, manual_axis_sizes
+from ._plan import TRANSPOSED_PERM, unpermute
 
 
 def _spacings(d: float | Sequence[float], ndim: int) -> tuple[float, ...]:
@@ -28,22 +29,36 @@ def _freqs(n: int, spacing: float, real: bool, dtype: Any) -> jax.Array:
     return (jnp.fft.rfftfreq if real else jnp.fft.fftfreq)(n, d=spacing, dtype=dtype)
 
 
+def _place(freqs: jax.Array, axis: int, perm: tuple[int, ...]) -> jax.Array:
+    """``freqs`` of logical ``axis`` shaped to broadcast against a block stored in physical order ``perm``."""
+    position = perm.index(axis)
+    return freqs.reshape([-1 if k == position else 1 for k in range(len(perm))])
+
+
+def _perm(layout: Any) -> tuple[int, ...]:
+    if layout not in ("same", "transposed"):
+        raise ValueError(f"layout must be 'same' or 'transposed' (the spectrum stored (k1, k2, k0)), got {layout!r}")
+    return TRANSPOSED_PERM if layout == "transposed" else (0, 1, 2)
+
+
 def local_fftfreq(shape: Sequence[int], /, *, spec: Any = None, d: float | Sequence[float] = 1.0,
-                  rfft: bool = False, dtype: Any = jnp.float32) -> tuple[jax.Array, ...]:
+                  rfft: bool = False, layout: Literal["same", "transposed"] = "same",
+                  dtype: Any = jnp.float32) -> tuple[jax.Array, ...]:
     """This device's sample frequencies of a distributed spectrum (local view), one broadcastable array per axis.
 
     Args:
-        shape: the global shape of the real-space array ``(n0, n1, n2)``.
-        spec: the split of the *spectrum* (e.g. ``sx.fft.plan(...).out_layout.spec`` after a transposed FFT);
+        shape: the global shape ``(n0, n1, n2)`` of the real-space array.
+        spec: the ``PartitionSpec`` of the spectrum as stored (the input's spec after ``layout="transposed"``);
             ignored outside ``smap``.
         d: sample spacing (``box / n``), one number or one per axis; frequencies are in cycles per unit of ``d``,
             as ``np.fft.fftfreq`` (multiply by ``2 pi`` for wavenumbers).
         rfft: the spectrum is a real transform's half spectrum (last axis ``n2 // 2 + 1``, ``rfftfreq``).
+        layout: ``"same"`` (spectrum stored ``(k0, k1, k2)``) or ``"transposed"`` (stored ``(k1, k2, k0)``).
         dtype: float dtype of the frequencies.
 
     Returns:
-        ``(f0, f1, f2)`` of shapes ``(m0, 1, 1)``, ``(1, m1, 1)``, ``(1, 1, m2)`` where ``m`` is this device's block
-        of the spectrum.
+        ``(f0, f1, f2)``: the frequencies of axes 0, 1, 2 of this device's block, each shaped to broadcast against
+        the block as stored (``f0: (m0, 1, 1)`` for ``"same"``, ``(1, 1, m0)`` for ``"transposed"``).
 
     Example:
         >>> import shardax as sx
@@ -53,38 +68,41 @@ def local_fftfreq(shape: Sequence[int], /, *, spec: Any = None, d: float | Seque
     """
     shape = tuple(int(n) for n in shape)
     spacings = _spacings(d, len(shape))
+    perm = _perm(layout)
     spectrum = (*shape[:-1], shape[-1] // 2 + 1) if rfft else shape
-    probe = local_layout(spec, spectrum, "local_fftfreq: spec")
-    parts = [probe.parts(dim) for dim in range(len(shape))]
+    stored = tuple(spectrum[a] for a in perm)
+    sizes = manual_axis_sizes()
+    if sizes:
+        logical = unpermute(Layout.from_spec(spec, stored, sizes, "local_fftfreq: spec"), perm)
+    else:
+        logical = Layout(spectrum, ((),) * len(spectrum), ())
     out = []
     for dim, n in enumerate(spectrum):
-        if n % parts[dim]:
-            raise ValueError(f"local_fftfreq: axis {dim} of the spectrum (size {n}) is not divisible by its mesh "
-                             f"axes {probe.groups[dim]} (size {parts[dim]})")
         freqs = _freqs(shape[dim], spacings[dim], rfft and dim == len(shape) - 1, dtype)
-        count = n // parts[dim]
-        if parts[dim] > 1:
-            freqs = lax.dynamic_slice_in_dim(freqs, lax.axis_index(probe.groups[dim]) * count, count)
-        out.append(freqs.reshape([count if k == dim else 1 for k in range(len(shape))]))
+        count = n // logical.parts(dim)
+        if logical.parts(dim) > 1:
+            freqs = lax.dynamic_slice_in_dim(freqs, lax.axis_index(logical.groups[dim]) * count, count)
+        out.append(_place(freqs, dim, perm))
     return tuple(out)
 
 
 def fftfreq(shape: Sequence[int], /, *, spec: Any = None, mesh: Mesh | None = None,
-            d: float | Sequence[float] = 1.0, rfft: bool = False,
+            d: float | Sequence[float] = 1.0, rfft: bool = False, layout: Literal["same", "transposed"] = "same",
             dtype: Any = jnp.float32) -> tuple[jax.Array, ...]:
     """Global sample frequencies of a distributed spectrum, one broadcastable array per axis, sharded like it.
 
     Args:
-        shape: the global shape of the real-space array ``(n0, n1, n2)``.
-        spec: the spectrum's ``PartitionSpec`` (default: not split); array axis ``i``'s entry shards ``f_i``.
+        shape: the global shape ``(n0, n1, n2)`` of the real-space array.
+        spec: the spectrum's ``PartitionSpec`` as stored (default: not split).
         mesh: the mesh (default: context mesh, else :func:`shardax.flat_mesh`).
         d: sample spacing, one number or one per axis (as ``np.fft.fftfreq``).
         rfft: last axis is ``rfftfreq`` (half spectrum of a real transform).
+        layout: ``"same"`` (spectrum stored ``(k0, k1, k2)``) or ``"transposed"`` (stored ``(k1, k2, k0)``).
         dtype: float dtype.
 
     Returns:
-        ``(f0, f1, f2)`` of shapes ``(n0, 1, 1)``, ``(1, n1, 1)``, ``(1, 1, m2)``, so that e.g.
-        ``k2 = (2 * pi) ** 2 * (f0**2 + f1**2 + f2**2)`` is the spectrum's ``|k|^2`` with its sharding.
+        ``(f0, f1, f2)``, each shaped to broadcast against the stored spectrum (``(n0, 1, 1)``, ``(1, n1, 1)``,
+        ``(1, 1, m2)`` for ``"same"``) and sharded like it, so that ``(2 pi)^2 (f0^2 + f1^2 + f2^2)`` is ``|k|^2``.
 
     Example:
         >>> import shardax as sx
@@ -94,16 +112,16 @@ def fftfreq(shape: Sequence[int], /, *, spec: Any = None, mesh: Mesh | None = No
     """
     shape = tuple(int(n) for n in shape)
     spacings = _spacings(d, len(shape))
+    perm = _perm(layout)
     spectrum = (*shape[:-1], shape[-1] // 2 + 1) if rfft else shape
-    if spec is None:
-        spec = PartitionSpec()
     the_mesh = default_mesh(mesh)
-    lay = Layout.from_spec(spec, spectrum, dict(the_mesh.shape), "fftfreq: spec")
+    stored = Layout.from_spec(spec, tuple(spectrum[a] for a in perm), dict(the_mesh.shape), "fftfreq: spec")
     out = []
     for dim in range(len(shape)):
-        freqs = np.fft.rfftfreq(shape[dim], spacings[dim]) if rfft and dim == len(shape) - 1 else \
-            np.fft.fftfreq(shape[dim], spacings[dim])
-        freqs = freqs.astype(dtype).reshape([-1 if k == dim else 1 for k in range(len(shape))])
-        entries = [lay.entry(dim) if k == dim else None for k in range(len(shape))]
-        out.append(jax.device_put(freqs, NamedSharding(the_mesh, PartitionSpec(*entries))))
+        real = rfft and dim == len(shape) - 1
+        freqs = (np.fft.rfftfreq if real else np.fft.fftfreq)(shape[dim], spacings[dim]).astype(dtype)
+        position = perm.index(dim)
+        entries = [stored.entry(position) if k == position else None for k in range(len(shape))]
+        out.append(jax.device_put(_place(jnp.asarray(freqs), dim, perm),
+                                  NamedSharding(the_mesh, PartitionSpec(*entries))))
     return tuple(out)

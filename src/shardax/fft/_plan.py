@@ -46,12 +46,13 @@ class Transform:
     n: int | None = None
 
     def __call__(self, x: jax.Array, norm: Norm) -> jax.Array:
+        """Transform the trailing ``len(axes)`` axes of ``x`` (the executor puts ``axes`` there)."""
         if self.op == "r2c":
-            return jnp.fft.rfft(x, axis=self.axes[0], norm=norm)
+            return jnp.fft.rfft(x, axis=-1, norm=norm)
         if self.op == "c2r":
-            return jnp.fft.irfft(x, n=self.n, axis=self.axes[0], norm=norm)
+            return jnp.fft.irfft(x, n=self.n, axis=-1, norm=norm)
         fn = jnp.fft.ifftn if self.inverse else jnp.fft.fftn
-        return fn(x, axes=self.axes, norm=norm)
+        return fn(x, axes=tuple(range(x.ndim - len(self.axes), x.ndim)), norm=norm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,13 +75,9 @@ class Transpose:
     parts: int
     local_elements: int
 
-    def forward(self, x: jax.Array) -> jax.Array:
-        """The move itself, on one device's block (inside ``smap``)."""
-        return lax.all_to_all(x, self.group, split_axis=self.dst, concat_axis=self.src, tiled=True)
-
-    def backward(self, x: jax.Array) -> jax.Array:
-        """The inverse move."""
-        return lax.all_to_all(x, self.group, split_axis=self.src, concat_axis=self.dst, tiled=True)
+    def __call__(self, x: jax.Array, split_axis: int, concat_axis: int) -> jax.Array:
+        """The move on one device's block, whose physical axes ``split_axis``/``concat_axis`` hold ``dst``/``src``."""
+        return lax.all_to_all(x, self.group, split_axis=split_axis, concat_axis=concat_axis, tiled=True)
 
     @property
     def elements_moved(self) -> int:
@@ -95,22 +92,45 @@ Step = Transform | Transpose
 class FFTPlan:
     """A distributed transform: local transforms and transposes from ``in_layout`` to ``out_layout``.
 
+    Layouts and steps speak of *logical* axes (those of the untransposed array). A block may hold them in another
+    physical order: ``in_perm``/``out_perm`` give the logical axis at each physical position of the input/output
+    (``(0, 1, 2)`` unless ``layout="transposed"``, whose spectrum is stored ``(n1, n2, n0)``: ``out_perm=(1, 2, 0)``).
+
     Attributes:
         kind: ``"fftn"``, ``"ifftn"``, ``"rfftn"`` or ``"irfftn"``.
-        in_layout: layout (and global shape) of the input.
-        out_layout: layout (and global shape) of the output.
+        in_layout: logical layout (and global shape) of the input.
+        out_layout: logical layout (and global shape) of the output.
         steps: the local transforms and transposes, in order.
+        in_perm: physical order of the input's logical axes.
+        out_perm: physical order of the output's logical axes.
     """
 
     kind: Kind
     in_layout: Layout
     out_layout: Layout
     steps: tuple[Step, ...]
+    in_perm: tuple[int, ...] = (0, 1, 2)
+    out_perm: tuple[int, ...] = (0, 1, 2)
 
     @property
     def transposes(self) -> tuple[Transpose, ...]:
         """The ``all_to_all`` moves of the plan."""
         return tuple(s for s in self.steps if isinstance(s, Transpose))
+
+    @property
+    def in_spec(self) -> PartitionSpec:
+        """``PartitionSpec`` of the input array as stored (physical order)."""
+        return permute(self.in_layout, self.in_perm).spec
+
+    @property
+    def out_spec(self) -> PartitionSpec:
+        """``PartitionSpec`` of the output array as stored (physical order)."""
+        return permute(self.out_layout, self.out_perm).spec
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """Global shape of the output array as stored (physical order)."""
+        return permute(self.out_layout, self.out_perm).shape
 
     def bytes_moved(self, itemsize: int) -> int:
         """Bytes each device sends per transform, for elements of ``itemsize`` bytes while they are moved.
@@ -120,10 +140,41 @@ class FFTPlan:
         return sum(t.elements_moved for t in self.transposes) * itemsize
 
     def __call__(self, x: jax.Array, norm: Norm = "backward") -> jax.Array:
-        """Run the plan on one device's block (local view)."""
+        """Run the plan on one device's block (local view).
+
+        Every local transform runs on trailing (contiguous) axes: before one, the block is transposed so that its
+        axes come last, the other axes ordered as in ``out_perm`` so that the final reordering is often a no-op.
+        """
+        perm = list(self.in_perm)
+        final = list(self.out_perm)
         for step in self.steps:
-            x = step.forward(x) if isinstance(step, Transpose) else step(x, norm)
+            if isinstance(step, Transpose):
+                x = step(x, split_axis=perm.index(step.dst), concat_axis=perm.index(step.src))
+                continue
+            if set(perm[len(perm) - len(step.axes):]) != set(step.axes):
+                rest = [a for a in final if a not in step.axes]
+                moved = [a for a in final if a in step.axes]
+                x = jnp.transpose(x, [perm.index(a) for a in rest + moved])
+                perm = rest + moved
+            x = step(x, norm)
+        if perm != final:
+            x = jnp.transpose(x, [perm.index(a) for a in final])
         return x
+
+
+def permute(layout: Layout, perm: tuple[int, ...]) -> Layout:
+    """The layout of the array that stores ``layout``'s logical axes in physical order ``perm``."""
+    return layout.with_groups(tuple(layout.groups[a] for a in perm), tuple(layout.shape[a] for a in perm))
+
+
+def unpermute(layout: Layout, perm: tuple[int, ...]) -> Layout:
+    """The logical layout of an array stored as ``layout`` with logical axes in physical order ``perm``."""
+    groups = [layout.groups[0]] * len(perm)
+    shape = [0] * len(perm)
+    for position, axis in enumerate(perm):
+        groups[axis] = layout.groups[position]
+        shape[axis] = layout.shape[position]
+    return layout.with_groups(tuple(groups), tuple(shape))
 
 
 _Groups = tuple[Group, ...]
@@ -156,29 +207,18 @@ def _transforms(kind: Kind, groups: _Groups, done: frozenset[int]) -> list[Trans
     return steps
 
 
-def _preference(groups: _Groups, order: dict[str, int]) -> tuple:
-    """Among equally cheap final layouts: mesh axes in mesh order, then the lowest array axes split."""
-    unordered = sum(list(g) != sorted(g, key=order.__getitem__) for g in groups)
-    return unordered, tuple(-len(g) for g in groups)
-
-
-def search_plan(kind: Kind, layout: Layout, target: _Groups | None, n_last: int) -> FFTPlan | None:
-    """The plan with the fewest transposes (then fewest elements moved) ending in ``target``, or in any layout.
+def search_plan(kind: Kind, layout: Layout, target: _Groups, n_last: int) -> FFTPlan | None:
+    """The plan with the fewest transposes (then fewest elements moved) from ``layout`` to ``target``.
 
     ``layout`` must be stripped of size-1 mesh axes. Returns ``None`` when no plan exists.
     """
     ndim = len(layout.shape)
-    order = {name: i for i, (name, _) in enumerate(layout.axis_sizes)}
     counter = itertools.count()
     start = (layout.groups, frozenset[int]())
     heap: list = [((0, 0), next(counter), start, ())]
     seen: set = set()
-    found: list[tuple[_Groups, tuple[int, ...], tuple[Step, ...]]] = []
-    found_cost = None
     while heap:
         cost, _, (groups, done), steps = heapq.heappop(heap)
-        if found_cost is not None and cost > found_cost:
-            break
         while transforms := _transforms(kind, groups, done):
             for transform in transforms:
                 steps = (*steps, dataclasses.replace(transform, n=n_last) if transform.op == "c2r" else transform)
@@ -187,10 +227,8 @@ def search_plan(kind: Kind, layout: Layout, target: _Groups | None, n_last: int)
             continue
         seen.add((groups, done))
         shape = _sizes(kind, layout.shape, done, n_last)
-        if len(done) == ndim and (target is None or groups == target):
-            found.append((groups, shape, steps))
-            found_cost = cost
-            continue
+        if len(done) == ndim and groups == target:
+            return FFTPlan(kind, layout, layout.with_groups(groups, shape), steps)
         local = math.prod(shape) // math.prod(layout.group_size(g) for g in groups)
         for src, dst in itertools.permutations(range(ndim), 2):
             local_dst = shape[dst] // layout.group_size(groups[dst])
@@ -205,18 +243,14 @@ def search_plan(kind: Kind, layout: Layout, target: _Groups | None, n_last: int)
                 step = Transpose(moved, src, dst, parts, local)
                 new_cost = (cost[0] + 1, cost[1] + step.elements_moved)
                 heapq.heappush(heap, (new_cost, next(counter), (tuple(new), done), (*steps, step)))
-    if not found:
-        return None
-    groups, shape, steps = min(found, key=lambda item: _preference(item[0], order))
-    return FFTPlan(kind, layout, layout.with_groups(groups, shape), steps)
+    return None
 
 
-def _roll(groups: _Groups, inverse: bool) -> _Groups:
-    return (*groups[1:], groups[0]) if inverse else (groups[-1], *groups[:-1])
+TRANSPOSED_PERM = (1, 2, 0)
 
 
 def out_shape(kind: Kind, shape: tuple[int, ...], n_last: int) -> tuple[int, ...]:
-    """Global output shape of a transform of ``kind`` on an input of ``shape``."""
+    """Global (logical) output shape of a transform of ``kind`` on an input of logical ``shape``."""
     if kind == "rfftn":
         return (*shape[:-1], shape[-1] // 2 + 1)
     if kind == "irfftn":
@@ -225,38 +259,40 @@ def out_shape(kind: Kind, shape: tuple[int, ...], n_last: int) -> tuple[int, ...
 
 
 @functools.lru_cache(maxsize=256)
-def make_plan(kind: Kind, layout: Layout, mode: LayoutArg, n_last: int) -> FFTPlan:
-    """The plan of ``kind`` for an input of ``layout`` whose output layout follows ``mode``.
+def make_plan(kind: Kind, stored: Layout, mode: LayoutArg, n_last: int) -> FFTPlan:
+    """The plan of ``kind`` for an input stored as ``stored`` whose output follows ``mode``.
 
-    ``"same"``: the output is split like the input. ``"transposed"``: the input's split rolled by one array axis
-    (to the right for forward transforms, to the left for inverse ones, so that an inverse undoes a forward) when the
-    sizes allow it, else the layout that the cheapest plan ends in. A ``PartitionSpec``: that output split.
+    ``"same"``: the output is split like the input. ``"transposed"``: a forward transform's output is stored with
+    its axes in the order ``(n1, n2, n0)`` and the input's ``PartitionSpec``, which saves the final transposes (the
+    convention of jaxDecomp's ``pfft3d`` and of seed 002's ``fft3d``); an inverse transform takes such an array and
+    returns ``(n0, n1, n2)`` split by the same spec. A ``PartitionSpec``: that output split, in natural order.
+    ``n_last`` is the real length of the last axis of ``irfftn``'s output.
     """
-    stripped = layout.stripped()
     inverse = kind in ("ifftn", "irfftn")
+    in_perm = TRANSPOSED_PERM if mode == "transposed" and inverse else (0, 1, 2)
+    out_perm = TRANSPOSED_PERM if mode == "transposed" and not inverse else (0, 1, 2)
+    layout = unpermute(stored, in_perm)
     shape = out_shape(kind, layout.shape, n_last)
     if isinstance(mode, PartitionSpec):
-        wanted = Layout.from_spec(mode, shape, dict(layout.axis_sizes), f"{kind}: layout")
-        outs: list[Layout | None] = [wanted]
-    elif mode == "same":
-        outs = [layout.with_groups(layout.groups, shape)]
+        out = Layout.from_spec(mode, shape, dict(layout.axis_sizes), f"{kind}: layout")
     else:
-        outs = [layout.with_groups(_roll(layout.groups, inverse), shape), None]
-    for out in outs:
-        if out is not None and mode != "transposed":
-            for dim, n in enumerate(out.shape):
-                if n % out.parts(dim):
-                    raise ValueError(
-                        f"{kind}: the output's axis {dim} has {n} points, which its split over mesh axes "
-                        f"{out.groups[dim]} (of size {out.parts(dim)}) does not evenly divide; pass "
-                        f"layout='transposed' or an output PartitionSpec that leaves axis {dim} whole")
-        target = None if out is None else out.stripped().groups
-        found = search_plan(kind, stripped, target, n_last)
-        if found is not None:
-            return dataclasses.replace(found, in_layout=layout, out_layout=out or found.out_layout)
-    where = f" to the split {outs[0].spec}" if isinstance(mode, PartitionSpec) and outs[0] is not None else ""
-    raise ValueError(
-        f"{kind}: no sequence of all_to_all transposes computes this transform{where} for global shape "
-        f"{layout.shape} split as {layout.spec} over mesh axes {dict(layout.axis_sizes)}: every axis must be whole "
-        f"on a device once and the sizes do not divide evenly; choose sizes divisible by the mesh axes or another "
-        f"mesh")
+        out = unpermute(stored.with_groups(stored.groups, permute(layout.with_groups(layout.groups, shape),
+                                                                   out_perm).shape), out_perm)
+    used_in = sorted(name for g in layout.stripped().groups for name in g)
+    used_out = sorted(name for g in out.stripped().groups for name in g)
+    if used_in != used_out:
+        raise ValueError(f"{kind}: layout={mode} splits over mesh axes {used_out} but the input over {used_in}; the "
+                         f"output must use the same mesh axes (of size > 1) as the input")
+    for dim, n in enumerate(out.shape):
+        if n % out.parts(dim):
+            raise ValueError(
+                f"{kind}: the output's axis {dim} has {n} points, which its split over mesh axes {out.groups[dim]} "
+                f"(of size {out.parts(dim)}) does not evenly divide; pass layout='same' or an output PartitionSpec "
+                f"that leaves axis {dim} whole")
+    found = search_plan(kind, layout.stripped(), out.stripped().groups, n_last)
+    if found is None:
+        raise ValueError(
+            f"{kind}: no sequence of all_to_all transposes computes this transform for global shape {layout.shape} "
+            f"split as {layout.spec} over mesh axes {dict(layout.axis_sizes)}: every axis must be whole on a device "
+            f"once and the sizes do not divide evenly; choose sizes divisible by the mesh axes or another mesh")
+    return dataclasses.replace(found, in_layout=layout, out_layout=out, in_perm=in_perm, out_perm=out_perm)
