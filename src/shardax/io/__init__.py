@@ -1,1 +1,14 @@
-"""shardax.io."""
+"""HDF5 input and output (``sx.io``; needs ``pip install 'shardax[hdf5]'``).
+
+:func:`write` and :func:`read` move pytrees of global arrays to and from one shared file (written by every process
+in rank order) or one file per rank plus an index; :func:`read_snapshot` reads Gadget-style snapshots with each
+process reading only its slice. h5py is imported on first use, not on ``import shardax``.
+"""
+
+from ._hdf5 import read as read
+from ._hdf5 import write as write
+from ._snapshot import Snapshot as Snapshot
+from ._snapshot import read_snapshot as read_snapshot
+from ._snapshot import write_snapshot as write_snapshot
+
+__all__ = ["Snapshot", "read", "read_snapshot", "write", "write_snapshot"]
