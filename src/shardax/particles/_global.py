@@ -21,7 +21,8 @@ def attach_smap(f: Callable[..., Any], *, arrays: dict[str, Any], out_specs: Any
     """Give ``f`` a ``.smap(mesh=None, *, jit=True)`` constructor of its global version.
 
     Args:
-        f: the local-view function.
+        f: the local-view function. Constructors are cached per ``(mesh, jit)``, so that calling
+            ``f.smap(mesh)(...)`` in a loop compiles once.
         arrays: specs of the parameters that are arrays, by name; every other parameter is static (hashable), and a
             parameter in ``arrays`` given a Python scalar or ``None`` is static too.
         out_specs: specs of ``f``'s outputs.
@@ -29,6 +30,7 @@ def attach_smap(f: Callable[..., Any], *, arrays: dict[str, Any], out_specs: Any
     signature = inspect.signature(f)
     names = list(signature.parameters)
 
+    @functools.cache
     def constructor(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., Any]:
         cache: dict[Hashable, Callable[..., Any]] = {}
 

@@ -12,6 +12,7 @@ in order.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, TypeVar, overload
 
@@ -205,13 +206,15 @@ def zsort(part: T, *, box: Box | None = None, equalize: bool = True, capacity: i
     return result.part, result.overflow
 
 
+@functools.cache
 def _global_zsort(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., Any]:
     """``zsort.smap(mesh=None, jit=True)``: the global zsort over ``(ndev, n, ...)`` particle arrays.
 
     The returned function takes the same arguments as :func:`zsort` and returns the same outputs in the global view.
     It raises :class:`shardax.CapacityError` when a device would overflow (with the capacity needed) and
     ``ValueError`` for NaN or infinite positions. Called under an outer ``jax.jit`` it cannot raise: check
-    ``overflow`` yourself there.
+    ``overflow`` yourself there. The constructor is cached per ``(mesh, jit)``: ``zsort.smap(mesh)(...)`` in a
+    loop compiles once per set of static arguments.
     """
     cache: dict[tuple, Callable[..., Any]] = {}
 

@@ -1,0 +1,302 @@
+"""zsort against a NumPy reference sort of the gathered data, at 1 device, on every mesh, and on 2 processes x 4.
+
+The reference: Morton keys computed bit by bit in NumPy (uint64) over the same box, then a stable ``np.lexsort`` of
+the particles in global input order (device, then row). The distributed result must be the same sequence, field by
+field, with counts equal to ``N // ndev`` (+1 for the first ``N % ndev`` devices) when equalised. This module does not
+import conftest: the multi-process children import it by path and must keep the launcher's device count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardax as sx
+from shardax.particles import Particles, conservation, ids_checksum_numpy, squeeze, zsort
+
+N = 509  # not divisible by any device count > 1: equalised counts differ by one
+
+
+# ---------------------------------------------------------------- NumPy reference
+
+
+def ref_keys(pos: np.ndarray, box: float | None) -> np.ndarray:
+    """uint64 Morton keys, one bit at a time: bit i of axis k goes to bit d * i + k."""
+    dim = pos.shape[1]
+    bits = {2: 31, 3: 21}[dim]
+    dt = pos.dtype
+    if box is None:
+        origin = pos.min(axis=0)
+        top = pos.max(axis=0)
+        extent = np.where(top > origin, top - origin, 1).astype(dt)
+    else:
+        origin = np.zeros(dim, dt)
+        extent = np.full(dim, box, dt)
+        pos = ref_wrap(pos, box)
+    u = (pos - origin) / extent
+    f = np.clip(np.floor(u * dt.type(2.0**bits)), 0, 2.0**bits)
+    cells = np.minimum(f.astype(np.uint64), np.uint64(2**bits - 1))
+    key = np.zeros(len(pos), np.uint64)
+    for i in range(bits):
+        for k in range(dim):
+            key |= ((cells[:, k] >> np.uint64(i)) & np.uint64(1)) << np.uint64(dim * i + k)
+    return key
+
+
+def ref_wrap(pos: np.ndarray, box: float) -> np.ndarray:
+    rel = np.mod(pos, pos.dtype.type(box))
+    return np.where(rel >= box, rel - pos.dtype.type(box), rel).astype(pos.dtype)
+
+
+def check_sorted(inp: dict[str, np.ndarray], out: dict[str, np.ndarray], box: float | None) -> None:
+    """``out`` (squeezed zsort result) is ``inp`` (squeezed input) in stable Morton order, field by field."""
+    order = np.argsort(ref_keys(inp["pos"], box), kind="stable")
+    assert set(out) == set(inp)
+    for name in inp:
+        expected = inp[name][order]
+        if name == "pos" and box is not None:
+            expected = ref_wrap(expected, box)
+        np.testing.assert_array_equal(out[name], expected, err_msg=f"field {name}")
+
+
+def equal_counts(total: int, ndev: int) -> np.ndarray:
+    return np.array([total // ndev + (r < total % ndev) for r in range(ndev)])
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def cases(rng: np.random.Generator, ndev: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Named (positions (N, 3) float32, per-device counts) pairs: N particles in global input order."""
+    even = equal_counts(N, ndev)
+    uneven = rng.multinomial(N, np.ones(ndev) / ndev)
+    blobs = (rng.integers(0, 4, N)[:, None] * 0.25 + 0.1 + 0.01 * rng.standard_normal((N, 3))) % 1.0
+    grid = rng.integers(0, 5, (N, 3)) / 4.0  # duplicates, and coordinates exactly 0 and 1 (the box boundary)
+    one_device = np.zeros(ndev, np.int64)
+    one_device[-1] = N
+    return {
+        "uniform": (rng.random((N, 3)), even),
+        "blobs": (blobs, uneven),
+        "one_point": (np.full((N, 3), 0.3), even),
+        "on_last_device": (rng.random((N, 3)), one_device),
+        "duplicates_boundary": (grid, uneven),
+    }
+
+
+def layout(mesh: Mesh, pos: np.ndarray, counts: np.ndarray, cap: int) -> Particles:
+    """Global Particles with ``counts[r]`` consecutive rows on device r (works across processes)."""
+    ndev = mesh.devices.size
+    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    n = len(pos)
+    rng = np.random.default_rng(7)
+    fields = {"pos": pos.astype(np.float32), "ids": np.arange(n, dtype=np.int32),
+              "mass": rng.random(n).astype(np.float32), "vel": rng.standard_normal((n, 3)).astype(np.float32)}
+    starts = np.concatenate([[0], np.cumsum(counts)])
+
+    def put(a: np.ndarray) -> jax.Array:
+        full = np.zeros((ndev, cap, *a.shape[1:]), a.dtype)
+        for r in range(ndev):
+            full[r, : counts[r]] = a[starts[r]: starts[r + 1]]
+        return jax.make_array_from_callback(full.shape, sharding, lambda idx: full[idx])
+
+    num = np.asarray(counts, np.int32)
+    return Particles(num=jax.make_array_from_callback(num.shape, sharding, lambda idx: num[idx]),
+                     **{k: put(v) for k, v in fields.items()})
+
+
+# ---------------------------------------------------------------- the checks, shared by every scale
+
+
+def make_mesh(shape: tuple[int, ...]) -> Mesh:
+    """Like conftest.make_mesh (not imported: see the module docstring)."""
+    return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), ("x", "y")[: len(shape)])
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A global array on every process."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def run_cases(mesh: Mesh) -> list[str]:
+    """Every input case x {(box=None, equalize), (periodic box, no equalize)}; returns the names checked."""
+    ndev = mesh.devices.size
+    done = []
+    for name, (pos, counts) in cases(np.random.default_rng(0), ndev).items():
+        part = layout(mesh, pos, counts, cap=N)
+        inp = squeeze(part)
+        before = conservation.smap(mesh)(part)
+        for box, equalize in ((None, True), (1.0, False)):
+            out, overflow = zsort.smap(mesh)(part, box=box, equalize=equalize)
+            assert not to_host(overflow).any()
+            check_sorted(inp, squeeze(out), box)
+            num = to_host(out.num)
+            assert num.sum() == N
+            if equalize:
+                np.testing.assert_array_equal(num, equal_counts(N, ndev), err_msg=name)
+            after = conservation.smap(mesh)(out)
+            assert int(after.count) == int(before.count) == N
+            assert int(after.checksum) == int(before.checksum) == ids_checksum_numpy(np.arange(N))
+            done.append(f"{name}/{box}/{equalize}")
+    return done
+
+
+def check_domain(mesh: Mesh) -> None:
+    """The Domain describes the sorted result: counts, key ranges, boxes and top-level cells."""
+    rng = np.random.default_rng(3)
+    ndev = mesh.devices.size
+    part = layout(mesh, rng.random((N, 3)), equal_counts(N, ndev), cap=N)
+    out, _, dom = zsort.smap(mesh)(part, box=1.0, return_domain=True, num_cells=8)
+    pos = to_host(out.pos)
+    num = to_host(out.num)
+    counts = to_host(dom.counts)
+    np.testing.assert_array_equal(counts, num)
+    np.testing.assert_array_equal(to_host(dom.offsets), np.cumsum(num) - num)
+    first, last = to_host(dom.first_key), to_host(dom.last_key)
+    lower, upper = to_host(dom.lower), to_host(dom.upper)
+    start, count = to_host(dom.cell_start), to_host(dom.cell_count)
+    clo, chi = to_host(dom.cell_lower), to_host(dom.cell_upper)
+    assert dom.periodic
+    for r in range(ndev):
+        keys = ref_keys(pos[r, : num[r]], 1.0)
+        assert np.all(np.diff(keys.astype(np.float64)) >= 0)
+        assert (int(first[r, 0]) << 32 | int(first[r, 1])) == int(keys[0])
+        assert (int(last[r, 0]) << 32 | int(last[r, 1])) == int(keys[-1])
+        np.testing.assert_array_equal(lower[r], pos[r, : num[r]].min(0))
+        np.testing.assert_array_equal(upper[r], pos[r, : num[r]].max(0))
+        assert count[r].sum() == num[r] and 1 <= (count[r] > 0).sum() <= 8
+        for c in np.flatnonzero(count[r]):
+            rows = pos[r, start[r, c]: start[r, c] + count[r, c]]
+            np.testing.assert_array_equal(clo[r, c], rows.min(0))
+            np.testing.assert_array_equal(chi[r, c], rows.max(0))
+        if r + 1 < ndev:
+            assert (int(last[r, 0]), int(last[r, 1])) <= (int(first[r + 1, 0]), int(first[r + 1, 1]))
+
+
+def check_overflow(mesh: Mesh) -> None:
+    """Too small a capacity raises CapacityError saying what is needed; the local view reports it as data."""
+    ndev = mesh.devices.size
+    counts = np.zeros(ndev, np.int64)
+    counts[0] = N
+    part = layout(mesh, np.random.default_rng(1).random((N, 3)), counts, cap=N)
+    with pytest.raises(sx.CapacityError, match="capacity") as info:
+        zsort.smap(mesh)(part, capacity=N // ndev - 1 if ndev > 1 else N - 1)
+    assert info.value.argument == "capacity" and info.value.needed > info.value.available
+
+
+# ---------------------------------------------------------------- tests on one process
+
+
+def test_zsort_single_device_local_view() -> None:
+    """Outside any mesh the local function sorts one device's particles; padding rows stay behind."""
+    rng = np.random.default_rng(5)
+    pos = rng.random((200, 3)).astype(np.float32)
+    part = Particles(pos=jnp.asarray(np.concatenate([pos, np.zeros((56, 3), np.float32)])), num=jnp.int32(200),
+                     ids=jnp.arange(256, dtype=jnp.int32))
+    out, overflow = jax.jit(lambda p: zsort(p, box=None))(part)
+    assert not bool(overflow) and int(out.num) == 200
+    order = np.argsort(ref_keys(pos, None), kind="stable")
+    np.testing.assert_array_equal(np.asarray(out.pos)[:200], pos[order])
+    np.testing.assert_array_equal(np.asarray(out.ids)[:200], order)
+    small, overflow = jax.jit(lambda p: zsort(p, capacity=100))(part)
+    assert bool(overflow) and small.pos.shape == (100, 3)
+
+
+def test_zsort_matches_numpy(mesh: Mesh) -> None:
+    done = run_cases(mesh)
+    assert len(done) == 10
+
+
+@pytest.mark.parametrize("shape", [(1,), (8,), (2, 2)], ids=str)
+def test_zsort_domain(shape: tuple[int, ...]) -> None:
+    check_domain(make_mesh(shape))
+
+
+@pytest.mark.parametrize("shape", [(1,), (2, 4)], ids=str)
+def test_zsort_overflow_raises(shape: tuple[int, ...]) -> None:
+    check_overflow(make_mesh(shape))
+
+
+class Tagged(NamedTuple):
+    pos: jax.Array
+    num: jax.Array
+    tag: jax.Array  # int8: moved outside the packed uint32 matrix
+    charge: jax.Array
+    scalar: jax.Array  # not per-particle: must stay as it is
+
+
+def test_zsort_duck_typed_pytree() -> None:
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    rng = np.random.default_rng(2)
+    n, cap = 100, 160
+    pos = rng.random((4, cap, 2)).astype(np.float32)
+    tag = rng.integers(-100, 100, (4, cap)).astype(np.int8)
+    charge = rng.standard_normal((4, cap, 2, 2)).astype(np.float32)
+    part = Tagged(jnp.asarray(pos), jnp.full((4,), n, jnp.int32), jnp.asarray(tag), jnp.asarray(charge),
+                  jnp.arange(4, dtype=jnp.float32))
+    out, _ = zsort.smap(mesh)(part, box=(1.0, 2.0))
+    assert isinstance(out, Tagged)
+    np.testing.assert_array_equal(np.asarray(out.scalar), np.arange(4))
+    flat = {k: np.concatenate([np.asarray(v)[r, :n] for r in range(4)]) for k, v in
+            (("pos", pos), ("tag", tag), ("charge", charge))}
+    keys = ref_keys(flat["pos"] / np.array([1.0, 2.0], np.float32), 1.0)
+    order = np.argsort(keys, kind="stable")
+    res = squeeze(out)
+    np.testing.assert_array_equal(res["tag"], flat["tag"][order])
+    np.testing.assert_array_equal(res["charge"], flat["charge"][order])
+
+
+def test_zsort_bad_input() -> None:
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    good = layout(mesh, np.random.default_rng(0).random((40, 3)), np.array([20, 20]), cap=32)
+    bad = np.asarray(good.pos).copy()
+    bad[1, 3, 0] = np.nan
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        zsort.smap(mesh)(dataclasses.replace(good, pos=jnp.asarray(bad)))
+    with pytest.raises(ValueError, match=r"shape \(n, 2\) or \(n, 3\)"):
+        zsort(dataclasses.replace(good, pos=good.pos[0, :, :1], num=good.num[0]))
+    with pytest.raises(TypeError, match="floating-point"):
+        zsort(Particles(pos=jnp.zeros((4, 3), jnp.int32), num=jnp.int32(4)))
+    with pytest.raises(TypeError, match=".pos and .num"):
+        zsort({"x": jnp.zeros((4, 3))})
+    with pytest.raises(ValueError, match="capacity must be a positive"):
+        zsort(Particles(pos=jnp.zeros((4, 3)), num=jnp.int32(4)), capacity=0)
+    with pytest.raises(ValueError, match="box must be positive"):
+        zsort(Particles(pos=jnp.zeros((4, 3)), num=jnp.int32(4)), box=-1.0)
+
+
+# ---------------------------------------------------------------- 2 processes x 4 devices
+
+
+def multiprocess_body() -> dict:
+    mesh = sx.flat_mesh()
+    grid = sx.grid_mesh()
+    done = run_cases(mesh) + run_cases(grid)
+    check_domain(mesh)
+    check_overflow(mesh)
+    # from_numpy with unequal counts per process, ids in process order, zsort and squeeze across processes
+    pid = jax.process_index()
+    rng = np.random.default_rng(11)
+    everything = rng.random((300, 3)).astype(np.float32)
+    mine = everything[:100] if pid == 0 else everything[100:]
+    part = sx.particles.from_numpy(mine, mesh=mesh)
+    out, _ = zsort.smap(mesh)(part, box=1.0)
+    check_sorted({"pos": everything, "ids": np.arange(300, dtype=np.int32)}, squeeze(out), 1.0)
+    return {"done": done, "num": to_host(out.num)}
+
+
+@pytest.mark.multiprocess
+def test_zsort_two_processes() -> None:
+    results = sx.testing.run_distributed(multiprocess_body, num_processes=2, cpu_devices=4)
+    for res in results:
+        assert len(res["done"]) == 20
+        np.testing.assert_array_equal(res["num"], equal_counts(300, 8))
