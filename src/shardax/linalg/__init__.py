@@ -8,5 +8,6 @@ layout. The same local-view kernels run on one device without a mesh.
 from ._api import potrf as potrf
 from ._api import potri as potri
 from ._api import potrs as potrs
+from ._api import syevd as syevd
 
-__all__ = ["potrf", "potri", "potrs"]
+__all__ = ["potrf", "potri", "potrs", "syevd"]

@@ -6,8 +6,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.core import Tracer
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..core import default_mesh
