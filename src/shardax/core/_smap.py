@@ -9,8 +9,8 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import jax
-from jax.core import Tracer
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import Mesh, PartitionSpec
 
 from ..runtime import flat_mesh
@@ -54,17 +54,27 @@ def resolve_spec(spec: Any, mesh: Mesh, where: str) -> PartitionSpec:
     if not isinstance(spec, PartitionSpec):
         raise TypeError(f"{where}: expected a PartitionSpec, sx.ALL or None, got {spec!r}")
     entries = []
+    used: set[str] = set()
     for entry in spec:
         if _is_all(entry):
-            entries.append(axes)
-            continue
+            entry = axes
         if entry is None or entry is PartitionSpec.UNCONSTRAINED:
             entries.append(entry)
             continue
-        names = (entry,) if isinstance(entry, str) else tuple(entry)
+        if isinstance(entry, str):
+            names: tuple = (entry,)
+        elif isinstance(entry, tuple | list) and all(isinstance(n, str) for n in entry):
+            names = tuple(entry)
+        else:
+            raise TypeError(f"{where}: spec {spec} has entry {entry!r}; entries must be None, a mesh axis name, a "
+                            "tuple of names, or sx.ALL / -1")
         for name in names:
             if name not in axes:
                 raise ValueError(f"{where}: spec {spec} names mesh axis {name!r}, but the mesh has axes {axes}")
+            if name in used:
+                raise ValueError(f"{where}: spec {spec} uses mesh axis {name!r} for two dimensions; each mesh axis "
+                                 "may split at most one dimension")
+            used.add(name)
         entries.append(entry)
     return PartitionSpec(*entries)
 

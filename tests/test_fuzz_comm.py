@@ -1,0 +1,113 @@
+"""Fuzzing of the communication layer with hypothesis: random counts, destinations (valid or not), capacities and
+specs. Every case ends in a correct result, overflow reported as data, or a clear TypeError/ValueError."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import shardax as sx
+from comm_checks import to_numpy
+from conftest import make_mesh
+
+SIZE, ROWS = 4, 16
+_compiled: dict = {}
+
+
+def _alltoallv_fn(capacity):
+    """One compiled program per capacity (hypothesis varies the data, not the shapes)."""
+    key = ("alltoallv", capacity)
+    if key not in _compiled:
+        _compiled[key] = sx.smap(lambda x, c: sx.comm.alltoallv(x, c, capacity=capacity), in_specs=P(sx.ALL),
+                                 out_specs=P(sx.ALL), mesh=make_mesh((SIZE,)), jit=True)
+    return _compiled[key]
+
+
+def _exchange_fn(capacity):
+    key = ("exchange", capacity)
+    if key not in _compiled:
+        def f(ids, dest, num):
+            tree, new_num, overflow = sx.comm.exchange({"pos": ids}, dest, num=num, capacity=capacity)
+            return tree["pos"], new_num, overflow
+
+        _compiled[key] = sx.smap(f, in_specs=P(sx.ALL), out_specs=P(sx.ALL), mesh=make_mesh((SIZE,)), jit=True)
+    return _compiled[key]
+
+
+FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def traffic(draw):
+    counts = np.zeros((SIZE, SIZE), np.int64)
+    for s in range(SIZE):
+        budget = draw(st.integers(0, ROWS))
+        cuts = sorted(draw(st.lists(st.integers(0, budget), min_size=SIZE - 1, max_size=SIZE - 1)))
+        counts[s] = np.diff([0, *cuts, budget])
+    capacity = draw(st.sampled_from([1, 5, 16, 64]))
+    return counts, capacity
+
+
+@FUZZ
+@given(traffic())
+def test_alltoallv_fuzz(case):
+    counts, capacity = case
+    rows = np.zeros((SIZE, ROWS, 2), np.int32)
+    for s in range(SIZE):
+        k = 0
+        for d in range(SIZE):
+            for i in range(counts[s, d]):
+                rows[s, k] = (s * 1000 + d, i)
+                k += 1
+    data, recv, overflow = (to_numpy(a) for a in _alltoallv_fn(capacity)(rows, counts.astype(np.int32)))
+    for d in range(SIZE):
+        expected = [(s * 1000 + d, i) for s in range(SIZE) for i in range(counts[s, d])]
+        np.testing.assert_array_equal(recv[d], counts[:, d])
+        assert bool(overflow[d]) == (len(expected) > capacity)
+        kept = min(len(expected), capacity)
+        np.testing.assert_array_equal(data[d, :kept].reshape(-1, 2), np.array(expected[:kept]).reshape(-1, 2))
+        assert not data[d, kept:].any()
+
+
+@FUZZ
+@given(st.lists(st.integers(-2, SIZE + 1), min_size=SIZE * ROWS, max_size=SIZE * ROWS),
+       st.lists(st.integers(0, ROWS), min_size=SIZE, max_size=SIZE), st.sampled_from([8, 16, 32, 80]))
+def test_exchange_never_loses_rows(dest, nums, capacity):
+    dest = np.asarray(dest, np.int32).reshape(SIZE, ROWS)
+    nums = np.asarray(nums, np.int32)
+    ids = np.arange(SIZE * ROWS, dtype=np.int32).reshape(SIZE, ROWS)
+
+    out_ids, new_num, overflow = (to_numpy(a) for a in _exchange_fn(capacity)(ids, dest, nums))
+    valid = np.arange(ROWS)[None, :] < nums[:, None]
+    bad = valid & ((dest < 0) | (dest >= SIZE))
+    for d in range(SIZE):
+        want = [ids[s, i] for s in range(SIZE) for i in range(nums[s]) if dest[s, i] == d]
+        flagged = len(want) > capacity or bad[d].any()
+        assert bool(overflow[d]) == flagged
+        k = min(len(want), capacity)
+        assert int(new_num[d]) == k
+        np.testing.assert_array_equal(out_ids[d, :k], want[:k])
+    if not overflow.any():
+        got = np.sort(np.concatenate([out_ids[d, : new_num[d]] for d in range(SIZE)]))
+        np.testing.assert_array_equal(got, np.sort(ids[valid]))
+
+
+SPEC_ENTRIES = st.sampled_from([None, "x", "y", "nope", sx.ALL, -1, ("x", "y"), 3, "x"])
+
+
+@FUZZ
+@given(st.lists(SPEC_ENTRIES, max_size=3), st.lists(st.integers(1, 9), min_size=1, max_size=3))
+def test_smap_specs_fuzz(entries, shape):
+    """Random specs and shapes: either it runs (and the identity round-trips) or it is a clear Type/ValueError."""
+    mesh = make_mesh((2, 2))
+    x = jnp.arange(int(np.prod(shape)), dtype=jnp.float32).reshape(shape)
+    spec = P(*entries)
+    try:
+        out = sx.smap(lambda a: a, in_specs=(spec,), out_specs=spec, mesh=mesh, expand=False)(x)
+    except (TypeError, ValueError) as err:
+        assert str(err), "errors must say what was wrong"
+        return
+    np.testing.assert_array_equal(out, x)
