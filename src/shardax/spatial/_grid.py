@@ -56,7 +56,8 @@ def wrap(pos: jax.Array, domain: Domain) -> jax.Array:
     """Positions mapped into the periodic box (identity for an open domain)."""
     if not domain.periodic:
         return pos
-    return pos - domain.extent * jnp.floor(pos / domain.extent)
+    box = domain.extent[None, :]
+    return pos - box * jnp.floor(pos / box)
 
 
 def make_grid(domain: Domain, num: jax.Array, per_cell: float, level: jax.Array) -> Grid:
@@ -67,19 +68,19 @@ def make_grid(domain: Domain, num: jax.Array, per_cell: float, level: jax.Array)
     side = (volume * per_cell / jnp.maximum(num, 1).astype(jnp.float32)) ** (1.0 / dim)
     side = side * jnp.exp2(-level.astype(jnp.float32))
     cells = jnp.clip(jnp.floor(ext.astype(jnp.float32) / side), 1, MAX_CELLS_PER_AXIS[dim]).astype(jnp.int32)
-    stride = jnp.concatenate([jnp.ones((1,), jnp.int32), jnp.cumprod(cells)[:-1]])
+    stride = jnp.concatenate([jnp.ones((1,), jnp.int32), jnp.cumprod(cells, dtype=jnp.int32)[:-1]])
     return Grid(cells, (domain.extent / cells.astype(domain.extent.dtype)), stride)
 
 
 def cell_coords(pos: jax.Array, domain: Domain, grid: Grid) -> jax.Array:
     """Integer cell coordinates `(n, d)` of positions `(n, d)` (clipped into the grid)."""
-    c = jnp.floor((pos - domain.lo) / grid.size).astype(jnp.int32)
-    return jnp.clip(c, 0, grid.cells - 1)
+    c = jnp.floor((pos - domain.lo[None, :]) / grid.size[None, :]).astype(jnp.int32)
+    return jnp.clip(c, 0, grid.cells[None, :] - 1)
 
 
 def cell_keys(coords: jax.Array, grid: Grid) -> jax.Array:
     """Row-major keys `(n,)` with axis 0 fastest."""
-    return jnp.sum(coords * grid.stride, axis=-1)
+    return jnp.sum(coords * grid.stride[None, :], axis=-1, dtype=jnp.int32)
 
 
 def axis_margin(x: jax.Array, first: jax.Array, last: jax.Array, axis: int, domain: Domain,

@@ -9,6 +9,7 @@ all data, in index order, so ties always go to the smaller index.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ._grid import Domain, make_grid, open_domain, periodic_domain, wrap
-from ._knn_pass import grid_pass, pair_dist2, sort_data
+from ._knn_pass import grid_pass, pair_dist2, positions_of, sort_data, vary_like
 
 
 class Tuning(NamedTuple):
@@ -43,35 +44,34 @@ def _tuning(dim: int, k: int) -> Tuning:
                          batch=max(8, 65536 // (base.block * capacity)))
 
 
-def local_knn(pos: jax.Array, num: jax.Array, query_pos: jax.Array, query_num: jax.Array, order: jax.Array,
-              k: int, box: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-    """Exact kNN of the first ``query_num`` query rows among the first ``num`` data rows.
+@functools.partial(jax.jit, static_argnames=("k",))
+def local_knn(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array, query_valid: jax.Array,
+              order: jax.Array, k: int, box: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """Exact kNN of the valid query rows among the valid data rows.
 
     Args:
         pos: `(n, d)` data positions.
-        num: number of valid data rows.
+        data_valid: `(n,)` which data rows exist.
         query_pos: `(m, d)` query positions.
-        query_num: number of valid query rows.
+        query_valid: `(m,)` which query rows exist.
         order: `(n,)` int32 tie-break rank of each data row (its global index); equal distances are ordered by it.
         k: neighbours per query.
         box: `(d,)` periodic box, or None for open boundaries.
 
     Returns:
         ``(dist2, rows)``: `(m, k)` squared distances (ascending, ties by ``order``) and data row numbers;
-        rows past ``query_num`` hold ``inf`` and ``-1``.
+        invalid query rows, and neighbours missing when fewer than ``k`` data rows exist, hold ``inf`` and ``-1``.
     """
     n, dim = pos.shape
     m = query_pos.shape[0]
     tuning = _tuning(dim, k)
-    data_valid = jnp.arange(n) < num
-    query_valid = jnp.arange(m) < query_num
     if box is None:
         domain = open_domain(pos, data_valid)
     else:
         domain = periodic_domain(box.astype(pos.dtype))
     pos = wrap(pos, domain)
     query_pos = wrap(query_pos, domain)
-    count = jnp.asarray(num, jnp.int32)
+    count = jnp.sum(data_valid, dtype=jnp.int32)
 
     grid0 = make_grid(domain, count, tuning.per_cell, jnp.int32(0))
     data0 = sort_data(pos, data_valid, domain, grid0)
@@ -94,8 +94,9 @@ def local_knn(pos: jax.Array, num: jax.Array, query_pos: jax.Array, query_num: j
         finer = jnp.any(active & truncated)
         level = jnp.where(passes == 0, 0, jnp.where(visited_all, jnp.where(finer, finest + 3, coarsest - 1), level))
         grid = make_grid(domain, count, tuning.per_cell, level)
-        data = lax.cond(level == 0, lambda: data0, lambda: sort_data(pos, data_valid, domain, grid))
-        (picked,) = jnp.nonzero(active, size=subset, fill_value=m)
+        data = lax.cond(level == 0, lambda: vary_like(data0, query_pos),
+                        lambda: vary_like(sort_data(pos, data_valid, domain, grid), query_pos))
+        picked = positions_of(active, subset, m)
         sub = jnp.minimum(picked, m - 1)
         res = grid_pass(data, query_pos[sub], picked < m, domain, grid, 2, k=k, block=tuning.block,
                         capacity=tuning.later_capacity, batch=tuning.later_batch)
@@ -107,12 +108,11 @@ def local_knn(pos: jax.Array, num: jax.Array, query_pos: jax.Array, query_num: j
         return (passes + 1, level, jnp.maximum(finest, level), jnp.minimum(coarsest, level), active, truncated,
                 dist2, rows)
 
-    *_, active, _, dist2, rows = lax.while_loop(cond, body, state)
+    *_, active, _, dist2, rows = lax.while_loop(cond, body, vary_like(state, query_pos))
     dist2, rows = _brute_force(pos, data_valid, order, query_pos, active, domain, dist2, rows, k, tuning)
     dist2, rows = _order_ties(dist2, rows, order)
-    rows = jnp.where(query_valid[:, None], rows, -1)
-    dist2 = jnp.where(query_valid[:, None], dist2, jnp.inf)
-    return dist2, rows
+    found = query_valid[:, None] & jnp.isfinite(dist2)
+    return jnp.where(found, dist2, jnp.inf), jnp.where(found, rows, -1)
 
 
 def _brute_force(pos: jax.Array, data_valid: jax.Array, order: jax.Array, query_pos: jax.Array,
@@ -131,8 +131,7 @@ def _brute_force(pos: jax.Array, data_valid: jax.Array, order: jax.Array, query_
     tiles_valid = jnp.pad(data_valid[by_order], (0, pad)).reshape(num_tiles, tile)
     tiles_row = jnp.pad(by_order, (0, pad)).reshape(num_tiles, tile)
     num_active = jnp.sum(active, dtype=jnp.int32)
-    (todo,) = jnp.nonzero(active, size=m, fill_value=m)
-    todo = jnp.pad(todo.astype(jnp.int32), (0, chunk), constant_values=m)
+    todo = jnp.pad(positions_of(active, m, m), (0, chunk), constant_values=m)
 
     def run_chunk(c: jax.Array, out: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         qi = lax.dynamic_slice_in_dim(todo, c * chunk, chunk)
@@ -147,10 +146,10 @@ def _brute_force(pos: jax.Array, data_valid: jax.Array, order: jax.Array, query_
             return -neg, jnp.take_along_axis(both_rows, pick, axis=1)
 
         init = (jnp.full((chunk, k), jnp.inf, pos.dtype), jnp.zeros((chunk, k), jnp.int32))
-        best_d2, best_rows = lax.fori_loop(0, num_tiles, scan_tile, init)
+        best_d2, best_rows = lax.fori_loop(0, num_tiles, scan_tile, vary_like(init, qp))
         return out[0].at[qi].set(best_d2, mode="drop"), out[1].at[qi].set(best_rows, mode="drop")
 
-    return lax.fori_loop(0, (num_active + chunk - 1) // chunk, run_chunk, (dist2, rows))
+    return lax.fori_loop(0, (num_active + chunk - 1) // chunk, run_chunk, vary_like((dist2, rows), query_pos))
 
 
 def _order_ties(dist2: jax.Array, rows: jax.Array, order: jax.Array) -> tuple[jax.Array, jax.Array]:

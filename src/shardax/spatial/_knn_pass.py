@@ -14,7 +14,7 @@ index cannot depend on which candidates were searched). Uncertified queries are 
 from __future__ import annotations
 
 import itertools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,28 @@ def pair_dist2(q: jax.Array, c: jax.Array, domain: Domain) -> jax.Array:
         total = dx * dx if total is None else total + dx * dx
     assert total is not None
     return total
+
+
+def vary_like(tree: Any, like: jax.Array) -> Any:
+    """``tree``'s leaves marked as varying over the manual mesh axes ``like`` varies over (loop carries must agree).
+
+    A no-op outside ``smap``.
+    """
+    def varying(x: jax.Array) -> frozenset[str]:
+        return frozenset(getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", ()))
+
+    def cast(x: jax.Array) -> jax.Array:
+        missing = tuple(sorted(varying(like) - varying(x)))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
+def positions_of(mask: jax.Array, size: int, fill: jax.Array | int) -> jax.Array:
+    """int32 positions `(size,)` of the true entries of ``mask``, then ``fill``."""
+    (found,) = jnp.nonzero(mask, size=size, fill_value=0)
+    count = jnp.sum(mask, dtype=jnp.int32)
+    return jnp.where(jnp.arange(size, dtype=jnp.int32) < count, found.astype(jnp.int32), fill)
 
 
 def _sort_by_key(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -116,8 +138,7 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, domain:
     row_start = lax.cummax(jnp.where(new_row, idx, 0))
     starts_flag = ((idx - row_start) % block == 0) & (idx < num_active)
     num_blocks = jnp.sum(starts_flag, dtype=jnp.int32)
-    (block_starts,) = jnp.nonzero(starts_flag, size=m + 1, fill_value=num_active)
-    block_starts = block_starts.astype(jnp.int32)
+    block_starts = positions_of(starts_flag, m + 1, num_active)
 
     offsets = _row_offsets(dim, reach)
     inf = jnp.asarray(jnp.inf, dtype)
@@ -126,7 +147,7 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, domain:
         bid = b * batch + jnp.arange(batch, dtype=jnp.int32)
         start = block_starts[jnp.minimum(bid, m)]
         end = jnp.where(bid < num_blocks, block_starts[jnp.minimum(bid + 1, m)], start)
-        qi = start[:, None] + jnp.arange(block, dtype=jnp.int32)
+        qi = start[:, None] + jnp.arange(block, dtype=jnp.int32)[None, :]
         qvalid = qi < end[:, None]
         qi = jnp.minimum(qi, m - 1)
         qp = qpos[qi]
@@ -142,7 +163,7 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, domain:
         which = jnp.sum(slot[None, :, None] >= cum[:, None, :], axis=-1, dtype=jnp.int32)
         which = jnp.minimum(which, range_len.shape[1] - 1)
         before = jnp.take_along_axis(cum - range_len, which, axis=1)
-        drow = jnp.take_along_axis(range_start, which, axis=1) + slot - before
+        drow = jnp.take_along_axis(range_start, which, axis=1) + slot[None, :] - before
         cvalid = slot[None, :] < total[:, None]
         drow = jnp.where(cvalid, drow, 0)
 
@@ -170,7 +191,7 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, domain:
     init = (jnp.full((m, k), jnp.inf, dtype), jnp.zeros((m, k), jnp.int32), jnp.zeros((m,), bool),
             jnp.zeros((m,), bool))
     num_batches = (num_blocks + batch - 1) // batch
-    out = lax.fori_loop(0, num_batches, run_batch, init)
+    out = lax.fori_loop(0, num_batches, run_batch, vary_like(init, qpos))
     # Back from sorted-query order to the input order.
     return PassResult(*(jnp.zeros_like(o).at[qperm].set(o) for o in out))
 

@@ -1,0 +1,215 @@
+"""``sx.spatial.knn``: exact k nearest neighbours in the local view, and its global ``.smap`` version."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
+from jax.sharding import Mesh
+
+from ..comm import allgather, scan
+from ..core import ALL, rank_info, smap
+from ..particles import Particles
+from ._knn_local import local_knn
+
+Box = float | tuple[float, ...] | jax.Array | None
+Reduce = Callable[..., Any]
+
+
+class KnnResult(NamedTuple):
+    """Result of :func:`knn`, rows aligned with the query rows.
+
+    Attributes:
+        distances: `(n, k)` Euclidean distances, ascending (``inf`` on padding rows).
+        indices: `(n, k)` int32 global index of each neighbour (the ``ids`` numbering; ``-1`` on padding rows), or
+            the output of ``reduce``.
+    """
+
+    distances: jax.Array
+    indices: Any
+
+
+def _positions(x: Any, name: str) -> tuple[jax.Array, jax.Array]:
+    """Positions and valid-row mask of a particle pytree (``.pos``, ``.num``) or of a plain `(n, d)` array."""
+    if hasattr(x, "pos") and hasattr(x, "num"):
+        pos, num = x.pos, x.num
+    elif isinstance(x, jax.Array | np.ndarray):
+        pos, num = x, None
+    else:
+        raise TypeError(f"knn: {name} must be a particle pytree with .pos and .num (e.g. shardax.particles."
+                        f"Particles) or an (n, d) array, got {type(x).__name__}")
+    pos = jnp.asarray(pos)
+    if pos.ndim != 2 or pos.shape[1] not in (1, 2, 3):
+        raise ValueError(f"knn: {name} positions must have shape (n, d) with d in {{1, 2, 3}} (local view), got "
+                         f"{pos.shape}; global (ndev, n, d) arrays go through knn.smap")
+    if not jnp.issubdtype(pos.dtype, jnp.floating):
+        raise TypeError(f"knn: {name} positions must be float32 or float64, got {pos.dtype}")
+    n = pos.shape[0]
+    if num is None:
+        return pos, jnp.ones((n,), bool)
+    if jnp.ndim(num) != 0:
+        raise ValueError(f"knn: {name}.num must be a scalar count in the local view, got shape {jnp.shape(num)}")
+    return pos, jnp.arange(n, dtype=jnp.int32) < jnp.asarray(num, jnp.int32)
+
+
+def _box_vector(box: Box, dim: int, dtype: Any) -> jax.Array | None:
+    if box is None:
+        return None
+    vec = jnp.asarray(np.asarray(box) if isinstance(box, tuple | list) else box, dtype)
+    vec = jnp.broadcast_to(vec, (dim,)) if vec.ndim == 0 else vec
+    if vec.shape != (dim,):
+        raise ValueError(f"knn: box must be a scalar or have one size per axis ({dim}), got shape {vec.shape}")
+    if not isinstance(vec, Tracer) and not bool(jnp.all(vec > 0)):
+        raise ValueError(f"knn: box sizes must be positive, got {np.asarray(vec).tolist()}")
+    return vec
+
+
+def _check_finite(pos: jax.Array, valid: jax.Array, name: str) -> None:
+    if isinstance(pos, Tracer) or isinstance(valid, Tracer):
+        return
+    bad = np.asarray(valid) & ~np.all(np.isfinite(np.asarray(pos)), axis=-1)
+    if bad.any():
+        raise ValueError(f"knn: {name} has {int(bad.sum())} row(s) with NaN or infinite coordinates (first: row "
+                         f"{int(np.argmax(bad.reshape(-1)))}); remove or fix them")
+
+
+def _check_k(k: Any, n: int, valid: jax.Array) -> None:
+    if isinstance(k, bool) or not isinstance(k, int | np.integer):
+        raise TypeError(f"knn: k must be a Python int, got {type(k).__name__}")
+    if k < 1:
+        raise ValueError(f"knn: k must be >= 1, got {k}")
+    if rank_info().size == 1:
+        if k > n:
+            raise ValueError(f"knn: k={k} is larger than the number of particle rows ({n}); lower k")
+        if not isinstance(valid, Tracer) and k > int(jnp.sum(valid)):
+            raise ValueError(f"knn: k={k} is larger than the number of particles ({int(jnp.sum(valid))}); lower k")
+
+
+def knn(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce | None = None) -> KnnResult:
+    """Exact k nearest neighbours of each particle (local view; ``knn.smap`` gives the global version).
+
+    Runs the same code outside any mesh (one device) and inside ``sx.smap``. Every particle is its own nearest
+    neighbour (distance 0 first). Equal distances are ordered by global index, so integer results are identical on
+    any number of devices and processes.
+
+    Args:
+        part: the data, a particle pytree (``.pos (n, d)``, ``.num``; ``.ids`` if present gives the global
+            numbering) or a plain `(n, d)` array (all rows valid). ``d`` in {1, 2, 3}, float32 or float64.
+        k: neighbours per query (``1 <= k <=`` number of particles).
+        box: periodic box size, a scalar or one size per axis (positions are wrapped into ``[0, box)``);
+            ``None`` for open boundaries.
+        query: points to find neighbours for, instead of the particles themselves: a particle pytree or an
+            `(m, d)` array. Each device answers its own query rows.
+        reduce: optional ``reduce(distances=, indices=, part=)`` applied to the `(m, k)` results before they are
+            returned (``part`` is the query pytree, or ``part`` itself); its output replaces ``indices``.
+
+    Returns:
+        ``KnnResult(distances (m, k), indices (m, k))`` with rows aligned with the query rows (``m = n`` without
+        ``query``). Indices are global input indices: ``part.ids`` when present, else the position in (device,
+        row) order of the valid rows. Padding rows get distance ``inf`` and index ``-1``.
+
+    Raises:
+        TypeError: ``k`` not an int, positions not float.
+        ValueError: ``k < 1``, ``k`` larger than the number of particles, NaN positions, ``query`` with another
+            dimension than ``part``, a bad ``box``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from shardax.spatial import knn
+        >>> pos = jax.random.uniform(jax.random.key(0), (1000, 3))
+        >>> res = knn(pos, 4, box=1.0)
+        >>> res.distances.shape, res.indices[:3, 0].tolist()
+        ((1000, 4), [0, 1, 2])
+        >>> rmean = knn(pos, 9, reduce=lambda distances, indices, part: jnp.mean(distances[:, 1:], axis=1))
+        >>> rmean.indices.shape
+        (1000,)
+    """
+    pos, valid = _positions(part, "part")
+    n, dim = pos.shape
+    _check_k(k, n, valid)
+    _check_finite(pos, valid, "part")
+    if query is None:
+        qpos, qvalid, qpart = pos, valid, part
+    else:
+        qpos, qvalid = _positions(query, "query")
+        if qpos.shape[1] != dim:
+            raise ValueError(f"knn: query has {qpos.shape[1]}-dimensional positions but part has {dim}; pass points "
+                             "of the same dimension")
+        if qpos.dtype != pos.dtype:
+            raise TypeError(f"knn: query dtype {qpos.dtype} differs from part dtype {pos.dtype}; cast one of them")
+        _check_finite(qpos, qvalid, "query")
+        qpart = query if hasattr(query, "pos") else Particles(pos=qpos, num=jnp.sum(qvalid, dtype=jnp.int32))
+    boxv = _box_vector(box, dim, pos.dtype)
+    if reduce is not None and not callable(reduce):
+        raise TypeError(f"knn: reduce must be a callable reduce(distances=, indices=, part=), got {reduce!r}")
+
+    ids = getattr(part, "ids", None)
+    size = rank_info().size
+    if ids is None:
+        offset = scan(jnp.sum(valid, dtype=jnp.int32), inclusive=False) if size > 1 else jnp.int32(0)
+        ids = offset + jnp.arange(n, dtype=jnp.int32)
+    ids = jnp.where(valid, jnp.asarray(ids, jnp.int32), jnp.iinfo(jnp.int32).max)
+    if size > 1:
+        # Every device searches all particles: exact and identical at any scale, but the data volume per device
+        # grows with the total (see docs/knn.md).
+        pos, valid, ids = (allgather(x, tiled=True) for x in (pos, valid, ids))
+
+    dist2, rows = local_knn(pos, valid, qpos, qvalid, ids, k, boxv)
+    distances = jnp.sqrt(dist2)
+    indices = jnp.where(rows >= 0, ids[jnp.maximum(rows, 0)], -1)
+    if reduce is not None:
+        indices = reduce(distances=distances, indices=indices, part=qpart)
+    return KnnResult(distances, indices)
+
+
+def _static_box(box: Box) -> Hashable:
+    if box is None or isinstance(box, int | float):
+        return box
+    if isinstance(box, tuple | list):
+        return tuple(float(b) for b in box)
+    return tuple(np.asarray(box, np.float64).reshape(-1).tolist())
+
+
+def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., KnnResult]:
+    """``knn.smap(mesh=None, jit=True)``: :func:`knn` on global ``(ndev, n, ...)`` particle arrays.
+
+    The returned function takes the arguments of :func:`knn`; ``part`` and ``query`` are global pytrees (e.g. from
+    :func:`shardax.particles.from_numpy`), the results have shape ``(ndev, m, k)`` aligned with the query rows.
+    Called eagerly it checks for NaN positions and ``k`` larger than the total number of particles.
+    """
+    cache: dict[Hashable, Callable[..., Any]] = {}
+
+    def call(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce | None = None) -> KnnResult:
+        if not (hasattr(part, "pos") and hasattr(part, "num")):
+            raise TypeError(f"knn.smap: part must be a global particle pytree with .pos and .num, got "
+                            f"{type(part).__name__}")
+        if not isinstance(part.num, Tracer):
+            total = int(np.sum(np.asarray(part.num)))
+            if isinstance(k, int) and not isinstance(k, bool) and k > total:
+                raise ValueError(f"knn: k={k} is larger than the number of particles ({total}); lower k")
+            num = np.asarray(part.num).reshape(-1, 1)
+            valid = np.arange(np.shape(part.pos)[-2])[None, :] < num
+            _check_finite(part.pos, jnp.asarray(valid), "part")
+        static_box = _static_box(box)
+        # Pytrees travel as flat leaf lists: smap's spec broadcasting would give an absent (None) field a spec.
+        part_leaves, part_def = jax.tree.flatten(part)
+        query_leaves, query_def = jax.tree.flatten(query)
+        key = (k, static_box, reduce, part_def, query_def)
+        fn = cache.get(key)
+        if fn is None:
+            def body(part_leaves: list[jax.Array], query_leaves: list[jax.Array]) -> KnnResult:
+                query = jax.tree.unflatten(query_def, query_leaves)
+                return knn(jax.tree.unflatten(part_def, part_leaves), k, box=static_box, query=query, reduce=reduce)
+
+            fn = smap(body, in_specs=(ALL, ALL), out_specs=ALL, mesh=mesh, jit=jit)
+            cache[key] = fn
+        return fn(part_leaves, query_leaves)
+
+    return call
+
+
+knn.smap = _knn_smap  # type: ignore[attr-defined]

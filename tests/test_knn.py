@@ -1,0 +1,219 @@
+"""sx.spatial.knn against scipy's cKDTree and an exact NumPy reference, on 1 device, meshes and 2 processes."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+from scipy.spatial import cKDTree
+
+import shardax as sx
+from shardax.spatial import knn
+
+
+def ref_knn(pos: np.ndarray, k: int, box: float | tuple | None, query: np.ndarray | None = None):
+    tree = cKDTree(np.asarray(pos, np.float64), boxsize=box)
+    d, i = tree.query(np.asarray(pos if query is None else query, np.float64), k=k)
+    return d.reshape(len(d), k), i.reshape(len(i), k)
+
+
+def exact_ref(pos: np.ndarray, k: int, box: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """Brute force in float64 with ties by index (exact for small-integer coordinates)."""
+    dx = pos[:, None, :] - pos[None, :, :]
+    if box is not None:
+        dx = dx - box * np.round(dx / box)
+    d2 = np.sum(dx * dx, axis=-1)
+    idx = np.broadcast_to(np.arange(len(pos)), d2.shape)
+    order = np.lexsort((idx, d2), axis=-1)[:, :k]
+    return np.sqrt(np.take_along_axis(d2, order, axis=1)), order
+
+
+def check_against(res_d: np.ndarray, res_i: np.ndarray, ref_d: np.ndarray, ref_i: np.ndarray, dtype) -> None:
+    """Distances equal to tolerance; indices equal wherever the reference distance is not (nearly) tied."""
+    tol = 1e-5 if dtype == np.float32 else 1e-11
+    np.testing.assert_allclose(res_d, ref_d, rtol=tol, atol=tol)
+    padded = np.concatenate([np.full((len(ref_d), 1), -np.inf), ref_d, np.full((len(ref_d), 1), np.inf)], 1)
+    gap = np.minimum(padded[:, 1:-1] - padded[:, :-2], padded[:, 2:] - padded[:, 1:-1])
+    clear = gap > 4 * tol * np.maximum(ref_d, 1.0)
+    assert clear.mean() > 0.9
+    np.testing.assert_array_equal(res_i[clear], ref_i[clear])
+
+
+def blobs(rng: np.random.Generator, n: int) -> np.ndarray:
+    centers = rng.random((5, 3))
+    pos = centers[rng.integers(0, 5, n)] + rng.normal(0, 0.01, (n, 3)) * rng.choice([1, 10], (n, 1))
+    pos[: n // 10] = rng.random((n // 10, 3))  # a sparse background
+    return pos.astype(np.float32)
+
+
+@functools.cache
+def jitted(k: int, box, with_query: bool = False):
+    if with_query:
+        return jax.jit(lambda part, query: knn(part, k, box=box, query=query))
+    return jax.jit(lambda part: knn(part, k, box=box))
+
+
+CASES = {
+    "uniform-open": (lambda rng: rng.random((3000, 3), dtype=np.float32), None),
+    "uniform-periodic-per-axis": (lambda rng: (rng.random((3000, 3)) * [1.0, 2.0, 0.5]).astype(np.float32),
+                                  (1.0, 2.0, 0.5)),
+    "blobs-open": (lambda rng: blobs(rng, 3000), None),
+    "uniform-2d-periodic": (lambda rng: rng.random((3000, 2), dtype=np.float32), 1.0),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_ckdtree(case: str) -> None:
+    make, box = CASES[case]
+    pos = make(np.random.default_rng(1))
+    res = jitted(9, box)(jnp.asarray(pos))
+    ref_d, ref_i = ref_knn(pos, 9, box)
+    check_against(np.asarray(res.distances), np.asarray(res.indices), ref_d, ref_i, np.float32)
+    assert np.all(np.asarray(res.indices)[:, 0] == np.arange(len(pos)))
+
+
+@pytest.mark.parametrize("box", [None, 6.0])
+def test_lattice_ties_by_index(box: float | None) -> None:
+    # Integer lattice: squared distances are exact small integers, so every tie is a true tie.
+    g = np.arange(6, dtype=np.float32)
+    pos = np.stack(np.meshgrid(g, g, g, indexing="ij"), -1).reshape(-1, 3)
+    pos = pos[np.random.default_rng(2).permutation(len(pos))]
+    res = jitted(27, box)(jnp.asarray(pos))
+    ref_d, ref_i = exact_ref(pos.astype(np.float64), 27, box)
+    np.testing.assert_allclose(np.asarray(res.distances), ref_d, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(res.indices), ref_i)
+
+
+def test_duplicates_boundaries_and_k_equals_n() -> None:
+    rng = np.random.default_rng(3)
+    pos = rng.random((30, 3)).astype(np.float32)
+    pos[10:20] = pos[3]  # eleven copies of one point
+    pos[20:25] = [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.5, 0.0, 1.0], [0.0, 0.5, 0.5], [1.0, 0.0, 0.0]]
+    part = sx.particles.Particles(pos=jnp.asarray(np.concatenate([pos, np.zeros((5, 3), np.float32)])),
+                                  num=jnp.int32(30))
+    for box in (None, 1.0):
+        res = knn(part, 30, box=box)
+        wrapped = pos % 1.0 if box else pos
+        ref_d, ref_i = exact_ref(wrapped.astype(np.float64), 30, box)
+        d, i = np.asarray(res.distances), np.asarray(res.indices)
+        np.testing.assert_allclose(d[:30], ref_d, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(i[:30, :12], ref_i[:, :12])
+        assert np.all(np.sort(i[:30], axis=1) == np.arange(30))
+        assert np.all(np.isinf(d[30:])) and np.all(i[30:] == -1)
+
+
+def test_query_reduce_and_ids() -> None:
+    rng = np.random.default_rng(4)
+    pos = rng.random((3000, 3), dtype=np.float32)
+    query = (rng.random((300, 3)) * 1.4 - 0.2).astype(np.float32)  # some outside the data's bounding box
+    res = jitted(5, None, True)(jnp.asarray(pos), jnp.asarray(query))
+    ref_d, ref_i = ref_knn(pos, 5, None, query)
+    check_against(np.asarray(res.distances), np.asarray(res.indices), ref_d, ref_i, np.float32)
+
+    ids = rng.permutation(3000).astype(np.int32) + 100
+    part = sx.particles.Particles(pos=jnp.asarray(pos), num=jnp.int32(3000), ids=jnp.asarray(ids))
+    res = knn(part, 9, box=(1.0, 1.0, 1.0), reduce=lambda distances, indices, part: (jnp.mean(distances[:, 1:], axis=1),
+                                                                         indices, part.ids))
+    rmean, indices, rows_ids = res.indices
+    ref_d, ref_i = ref_knn(pos, 9, 1.0)
+    np.testing.assert_allclose(np.asarray(rmean), ref_d[:, 1:].mean(axis=1), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(rows_ids), ids)
+    np.testing.assert_array_equal(np.asarray(indices)[:, 0], ids)
+
+
+def test_large_k() -> None:
+    pos = np.random.default_rng(5).random((1500, 3), dtype=np.float32)
+    res = jitted(64, 1.0)(jnp.asarray(pos))
+    ref_d, ref_i = ref_knn(pos, 64, 1.0)
+    check_against(np.asarray(res.distances), np.asarray(res.indices), ref_d, ref_i, np.float32)
+
+
+def test_float64() -> None:
+    with jax.enable_x64(True):
+        pos = np.random.default_rng(6).random((1000, 3))
+        res = knn(jnp.asarray(pos), 7, box=1.0)
+        assert res.distances.dtype == jnp.float64
+        ref_d, ref_i = ref_knn(pos, 7, 1.0)
+        check_against(np.asarray(res.distances), np.asarray(res.indices), ref_d, ref_i, np.float64)
+
+
+def test_bad_input() -> None:
+    pos = jnp.asarray(np.random.default_rng(7).random((50, 3), dtype=np.float32))
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        knn(pos, 0)
+    with pytest.raises(ValueError, match="larger than the number of particle"):
+        knn(pos, 51)
+    part = sx.particles.Particles(pos=pos, num=jnp.int32(10))
+    with pytest.raises(ValueError, match=r"larger than the number of particles \(10\)"):
+        knn(part, 11)
+    with pytest.raises(TypeError, match="k must be a Python int"):
+        knn(pos, 2.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="NaN"):
+        knn(pos.at[3, 1].set(jnp.nan), 3)
+    with pytest.raises(ValueError, match="query has 2-dimensional"):
+        knn(pos, 3, query=pos[:, :2])
+    with pytest.raises(ValueError, match="box must be a scalar or have one size per axis"):
+        knn(pos, 3, box=(1.0, 1.0))
+    with pytest.raises(ValueError, match="box sizes must be positive"):
+        knn(pos, 3, box=0.0)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        knn(jnp.ones((5, 3), jnp.int32), 2)
+    with pytest.raises(TypeError, match="particle pytree"):
+        knn([[0.0, 0.0]], 1)
+
+
+def distributed_cases(rng: np.random.Generator) -> list[tuple[np.ndarray, float | None]]:
+    return [(rng.random((1200, 3), dtype=np.float32), 1.0), (blobs(rng, 1200), None)]
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A global array on every process."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def run_on_mesh(mesh: Mesh, pos: np.ndarray, box: float | None, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """knn.smap on ``mesh`` (each process passes its share of ``pos``); results in global input order."""
+    share = np.array_split(pos, jax.process_count())[jax.process_index()]
+    part = sx.particles.from_numpy(share, mesh=mesh)
+    res = knn.smap(mesh)(part, k, box=box)
+    valid = np.arange(part.pos.shape[1])[None, :] < to_host(part.num)[:, None]
+    order = np.argsort(to_host(part.ids)[valid])
+    return to_host(res.distances)[valid][order], to_host(res.indices)[valid][order]
+
+
+def test_mesh_matches_single_device(mesh: Mesh) -> None:
+    for pos, box in distributed_cases(np.random.default_rng(8)):
+        d, i = run_on_mesh(mesh, pos, box, 9)
+        one = jitted(9, box)(jnp.asarray(pos))
+        np.testing.assert_array_equal(i, np.asarray(one.indices))
+        np.testing.assert_array_equal(d, np.asarray(one.distances))
+
+
+def multiprocess_body() -> list[np.ndarray]:
+    out = []
+    mesh = sx.flat_mesh()
+    for pos, box in distributed_cases(np.random.default_rng(8)):
+        d, i = run_on_mesh(mesh, pos, box, 9)
+        one = knn(jnp.asarray(pos), 9, box=box)
+        out += [i, np.asarray(one.indices), d, np.asarray(one.distances)]
+    return out
+
+
+@pytest.mark.multiprocess
+def test_two_processes() -> None:
+    results = sx.testing.run_distributed(multiprocess_body, num_processes=2, cpu_devices=4)
+    for res in results:
+        for mesh_i, one_i, mesh_d, one_d in zip(res[0::4], res[1::4], res[2::4], res[3::4], strict=True):
+            np.testing.assert_array_equal(mesh_i, one_i)
+            np.testing.assert_array_equal(mesh_d, one_d)
+    # The same answer on both processes, and the same as in this process on one device.
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    pos, box = distributed_cases(np.random.default_rng(8))[0]
+    np.testing.assert_array_equal(results[0][0], np.asarray(jitted(9, box)(jnp.asarray(pos)).indices))
