@@ -99,7 +99,7 @@ class VirtualCluster:
         for proc in self._helpers.values():
             with contextlib.suppress(Exception):
                 proc.terminate()
-                proc.wait(timeout=5)
+                proc.communicate(timeout=5)
         self._helpers.clear()
         for ns, link in zip(self.hosts, self.links, strict=True):
             _sh("ip", "netns", "del", ns, check=False)
@@ -157,17 +157,17 @@ class VirtualCluster:
                  "    ts.append(time.perf_counter()-t);c.close()\nprint(statistics.median(ts)*1e3)")
         out = _sh("ip", "netns", "exec", self.hosts[source], sys.executable, "-c", probe)
         server.kill()
-        server.wait(timeout=5)
+        server.communicate(timeout=5)
         return float(out.stdout)
 
-
     def launch(self, argv: Sequence[str], *, cpu_devices: int, timeout_s: float, port: int = 47001,
-               env: Mapping[str, str] | None = None) -> list[tuple[int, str]]:
+               env: Mapping[str, str] | None = None, grace_s: float | None = None) -> list[tuple[int, str]]:
         """Run ``argv`` as process i on host i, coordinator on host 0 (a static config: explicit address).
 
         Each process gets ``SHARDAX_COORDINATOR_ADDRESS=<host 0>:port``, ``SHARDAX_NUM_PROCESSES``,
         ``SHARDAX_PROCESS_ID`` and ``SHARDAX_CPU_DEVICES``; returns ``(exit code, output)`` per process. A process
-        still running after ``timeout_s`` is killed (exit code -9): nothing here waits longer.
+        still running after ``timeout_s`` is killed (exit code -9): nothing here waits longer. With ``grace_s``,
+        the first non-zero exit ends the others ``grace_s`` later, as ``srun``, ``mpirun`` and ``shardax launch`` do.
         """
         base = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDAX_", "OMPI_", "PMIX_", "SLURM_"))}
         base |= dict(env or {})
@@ -179,14 +179,18 @@ class VirtualCluster:
             procs = [self.popen(i, argv, base | {"SHARDAX_PROCESS_ID": str(i)}, stdout=logs[i].fileno())
                      for i in range(self.num_hosts)]
             deadline = time.monotonic() + timeout_s
-            codes = []
+            first_failure: float | None = None
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                if first_failure is None and any(p.returncode not in (None, 0) for p in procs):
+                    first_failure = time.monotonic()
+                if grace_s is not None and first_failure is not None and time.monotonic() > first_failure + grace_s:
+                    break
+                time.sleep(0.05)
             for proc in procs:
-                try:
-                    codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
-                except subprocess.TimeoutExpired:
+                if proc.poll() is None:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(proc.pid, 9)
-                    codes.append(proc.wait(timeout=10))
+            codes = [proc.wait(timeout=10) for proc in procs]
             results = []
             for code, log in zip(codes, logs, strict=True):
                 log.seek(0)

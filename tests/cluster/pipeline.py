@@ -120,7 +120,7 @@ class Pipeline:
         m = rng.standard_normal((SOLVE_N, SOLVE_N)).astype(np.float32)
         a = m @ m.T / SOLVE_N + np.eye(SOLVE_N, dtype=np.float32)
         b = rng.standard_normal((SOLVE_N, 3)).astype(np.float32)
-        x = sx.linalg.potrs(_put(self.mesh, a, P(self.axis, None)), _put(self.mesh, b, P(self.axis, None)), tile=4,
+        x = sx.linalg.potrs(_put(self.mesh, a, P(self.axis, None)), _put(self.mesh, b, P(self.axis, None)), tile=8,
                             mesh=self.mesh)
         field = (rng.standard_normal(FFT_SHAPE) + 1j * rng.standard_normal(FFT_SHAPE)).astype(np.complex64)
         spectrum = sx.fft.fftn(_put(self.mesh, field, P(self.axis)), mesh=self.mesh)
