@@ -20,12 +20,9 @@ from ._particles import is_row_leaf, with_num
 
 class RowPack:
     """The per-particle leaves of a particle pytree, as one uint32 matrix plus the leaves that do not fit in it.
-
-    ``extra_columns`` (`(n, k)` uint32, e.g. sort keys) are appended to the matrix and travel with the rows; after a
-    move they are the last ``k`` columns of the matrix, and :meth:`unpack` ignores them.
     """
 
-    def __init__(self, part: Any, n: int, extra_columns: jax.Array | None = None):
+    def __init__(self, part: Any, n: int):
         leaves, self.treedef = jax.tree.flatten(part)
         self.leaves = leaves
         num = part.num
@@ -45,8 +42,6 @@ class RowPack:
                 arrays.append(words)
             else:
                 self.loose.append(i)
-        if extra_columns is not None:
-            arrays.append(extra_columns)
         self.matrix = jnp.concatenate(arrays, axis=1) if arrays else None
         self.extra = [jnp.asarray(leaves[i]) for i in self.loose]
 

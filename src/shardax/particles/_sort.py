@@ -39,39 +39,46 @@ def argsort_keys(hi: jax.Array, lo: jax.Array) -> jax.Array:
         return jnp.arange(n, dtype=jnp.int32)
     bits = _index_bits(n)
     with jax.enable_x64(True):
-        key = (hi.astype(jnp.uint64) << jnp.uint64(32)) | lo.astype(jnp.uint64)
-        perm = _msd(key, n, bits) if bits <= _MSD_MAX_BITS else _lsd(key, n, bits)
-        return perm.astype(jnp.int32)
+        if bits <= _MSD_MAX_BITS:
+            return _msd(hi, lo, n, bits)
+        return _lsd(hi, lo, n, bits)
 
 
 def _low(bits: int) -> jax.Array:
     return jnp.uint64((1 << bits) - 1)
 
 
-def _msd(key: jax.Array, n: int, bits: int) -> jax.Array:
+def _key(hi: jax.Array, lo: jax.Array) -> jax.Array:
+    return (hi.astype(jnp.uint64) << jnp.uint64(32)) | lo.astype(jnp.uint64)
+
+
+def _index(packed: jax.Array, bits: int) -> jax.Array:
+    return (packed & _low(bits)).astype(jnp.int32)
+
+
+def _msd(hi: jax.Array, lo: jax.Array, n: int, bits: int) -> jax.Array:
     shift = jnp.uint64(bits)
-    index = lax.iota(jnp.uint64, n)
-    first = lax.sort((key >> shift) << shift | index, is_stable=False)
-    perm = first & _low(bits)
-    prefix = first >> shift
-    ties = jnp.any(prefix[1:] == prefix[:-1])
+    first = lax.sort((_key(hi, lo) >> shift) << shift | lax.iota(jnp.uint64, n), is_stable=False)
+    perm = _index(first, bits)
+    same = (first[1:] >> shift) == (first[:-1] >> shift)
 
     def refine(perm: jax.Array) -> jax.Array:
-        new_group = jnp.concatenate([jnp.ones((1,), bool), prefix[1:] != prefix[:-1]])
-        start = lax.cummax(jnp.where(new_group, index, jnp.uint64(0)))
-        rest = key[perm] & _low(bits)
-        second = lax.sort(start << jnp.uint64(2 * bits) | rest << shift | index, is_stable=False)
-        return perm[second & _low(bits)]
+        rows = lax.iota(jnp.int32, n)
+        start = lax.cummax(jnp.where(jnp.concatenate([jnp.ones((1,), bool), ~same]), rows, 0))
+        rest = lo[perm] & jnp.uint32((1 << bits) - 1)  # the key bits below the first pass's prefix
+        second = lax.sort(start.astype(jnp.uint64) << jnp.uint64(2 * bits) | rest.astype(jnp.uint64) << shift
+                          | lax.iota(jnp.uint64, n), is_stable=False)
+        return perm[_index(second, bits)]
 
-    return lax.cond(ties, refine, lambda p: p, perm)
+    return lax.cond(jnp.any(same), refine, lambda p: p, perm)
 
 
-def _lsd(key: jax.Array, n: int, bits: int) -> jax.Array:
+def _lsd(hi: jax.Array, lo: jax.Array, n: int, bits: int) -> jax.Array:
     low_bits = 64 - bits
     shift = jnp.uint64(bits)
-    index = lax.iota(jnp.uint64, n)
-    first = lax.sort((key & _low(low_bits)) << shift | index, is_stable=False)
-    perm = first & _low(bits)
+    key = _key(hi, lo)
+    first = lax.sort((key & _low(low_bits)) << shift | lax.iota(jnp.uint64, n), is_stable=False)
+    perm = _index(first, bits)
     high = key[perm] >> jnp.uint64(low_bits)
-    second = lax.sort(high << shift | index, is_stable=False)
-    return perm[second & _low(bits)]
+    second = lax.sort(high << shift | lax.iota(jnp.uint64, n), is_stable=False)
+    return perm[_index(second, bits)]

@@ -27,8 +27,8 @@ from .._errors import CapacityError
 from ..comm import allgather, allreduce, scan
 from ..core import ALL, rank_info, smap
 from ._domain import Domain, domain_of
-from ._morton import INVALID_KEY, Box, KeyBox, key_box, morton_key, wrap
-from ._particles import check_positions, replace_field
+from ._morton import Box, KeyBox, key_box, morton_key, wrap
+from ._particles import check_positions, map_rows, replace_field, with_num
 from ._rows import RowPack, resize_rows, send_rows, take_rows
 from ._sort import argsort_keys
 
@@ -132,24 +132,25 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
     nonfinite = allreduce(jnp.sum(valid & ~jnp.all(jnp.isfinite(pos), axis=1)).astype(jnp.int32))
     hi, lo = morton_key(pos, kbox, valid)
     perm = argsort_keys(hi, lo)
-    pack = RowPack(part, n, extra_columns=jnp.stack([hi, lo], axis=1))
-    arrays = take_rows(pack.arrays(), perm)
     if size == 1:
-        arrays = resize_rows(arrays, cap)
-        return Sorted(pack.unpack(arrays, jnp.minimum(num, cap)), num > cap, num, nonfinite, kbox)
+        def reorder(a: jax.Array) -> jax.Array:
+            return resize_rows(take_rows([a], perm), cap)[0]
 
-    keys = arrays[0][:, -2:]
-    run = (keys[:, 0], keys[:, 1], scan(num, inclusive=False) + perm)
+        out = with_num(map_rows(reorder, part, n), jnp.minimum(num, cap))
+        return Sorted(out, num > cap, num, nonfinite, kbox)
+
+    pack = RowPack(part, n)
+    arrays = take_rows(pack.arrays(), perm)
+    run = (hi[perm], lo[perm], scan(num, inclusive=False) + perm)
     below = _count_below(run, num, _splitters(run, num, size))
     edges = jnp.concatenate([jnp.zeros((1,), jnp.int32), below, num[None]])
     arrays, received = send_rows(arrays, jnp.diff(edges), cap)
     needed = received
     num = jnp.minimum(received, cap)
-    keys = arrays[0][:, -2:]
-    valid = jnp.arange(cap, dtype=jnp.int32) < num
-    invalid = jnp.uint32(INVALID_KEY)
-    arrays = take_rows(arrays, argsort_keys(jnp.where(valid, keys[:, 0], invalid),
-                                            jnp.where(valid, keys[:, 1], invalid)))
+    # Keys again from the received positions (cheaper than sending them along).
+    received_pos = pack.unpack(arrays, num).pos
+    hi, lo = morton_key(received_pos, kbox, jnp.arange(cap, dtype=jnp.int32) < num)
+    arrays = take_rows(arrays, argsort_keys(hi, lo))
     if equalize:
         arrays, received = send_rows(arrays, _equal_counts(num, size), cap)
         needed = jnp.maximum(needed, received)

@@ -1,0 +1,156 @@
+"""Benchmark: ``sx.particles.zsort`` of uniform float32 points vs NumPy, and across devices and processes.
+
+Usage (from the repository root)::
+
+    python benchmarks/zsort.py                 # 1 device vs NumPy, 8 devices in one process, 2 processes x 4
+    python benchmarks/zsort.py --n 1000000 --repeat 7 --no-multiprocess
+
+Figures (medians over ``--repeat`` calls after a warm-up, all measured in one run so the shared-machine noise
+affects them alike):
+
+- ``numpy``: Morton keys in NumPy (same quantisation, 64-bit magic-number bit spreading), ``np.argsort`` and the
+  gather of every field (pos, ids, mass): the NumPy z-sort of the same particles. ``np.argsort`` alone is also given.
+- ``zsort 1 device``: the local view under ``jax.jit`` (keys, packed 64-bit sort, one gather of all fields).
+- ``zsort 8 devices``: ``zsort.smap`` on 8 CPU devices of this process (the same 2 cores), same total.
+- ``zsort 2x4``: the same under ``shardax launch -n 2 --cpu-devices 4``.
+- peak memory per device from XLA's memory analysis (arguments + outputs + temporaries) relative to the particle
+  buffers (``capacity x bytes per particle``, capacity factor 1.25).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+
+def _median_s(fn: Callable[[], Any], repeat: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def numpy_zsort(pos: np.ndarray, ids: np.ndarray, mass: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The NumPy z-sort: 21-bit-per-axis Morton keys over the box [0, 1), argsort, gather."""
+    cells = np.minimum(np.floor(pos * np.float32(2**21)).astype(np.uint64), np.uint64(2**21 - 1))
+    key = np.zeros(len(pos), np.uint64)
+    for k in range(3):
+        x = cells[:, k]
+        for shift, mask in ((32, 0x1F00000000FFFF), (16, 0x1F0000FF0000FF), (8, 0x100F00F00F00F00F),
+                            (4, 0x10C30C30C30C30C3), (2, 0x1249249249249249)):
+            x = (x | (x << np.uint64(shift))) & np.uint64(mask)
+        key |= x << np.uint64(k)
+    order = np.argsort(key)
+    return pos[order], ids[order], mass[order]
+
+
+def single_process(n: int, repeat: int) -> dict[str, float]:
+    import jax
+
+    import shardax as sx
+    from shardax.particles import uniform, zsort
+
+    out: dict[str, float] = {}
+    part = jax.jit(lambda: uniform(n, box=1.0, seed=0))()
+    pos, ids, mass = (np.asarray(a)[:n] for a in (part.pos, part.ids, part.mass))
+    out["numpy"] = _median_s(lambda: numpy_zsort(pos, ids, mass), repeat)
+    key = np.arange(n, dtype=np.uint64)[np.random.default_rng(0).permutation(n)]
+    out["numpy argsort only"] = _median_s(lambda: np.argsort(key), repeat)
+    local = jax.jit(lambda p: zsort(p, box=1.0))
+    out["zsort 1 device"] = _median_s(lambda: local(part), repeat)
+    out["memory ratio 1 device"] = _memory_ratio(local, part)
+    ndev = jax.device_count()
+    if ndev > 1:
+        mesh = sx.flat_mesh()
+        glob = uniform.smap(mesh)(n=n // ndev, box=1.0, seed=0)
+        sort = zsort.smap(mesh)
+        out[f"zsort {ndev} devices"] = _median_s(lambda: sort(glob, box=1.0), repeat)
+        leaves, treedef = jax.tree.flatten(glob)
+
+        def body(leaves: list[jax.Array]) -> Any:
+            return zsort(jax.tree.unflatten(treedef, leaves), box=1.0)
+
+        out[f"memory ratio {ndev} devices"] = _memory_ratio(
+            jax.jit(sx.smap(body, in_specs=(sx.ALL,), out_specs=sx.ALL, mesh=mesh)), leaves)
+    return out
+
+
+def _memory_ratio(fn: Any, part: Any) -> float:
+    """Peak bytes per device (arguments + outputs + temporaries) over the particle buffers' bytes per device."""
+    import jax
+
+    stats = fn.lower(part).compile().memory_analysis()
+    leaves = jax.tree.leaves(part)
+    ndev = len(leaves[0].sharding.device_set)
+    data = sum(leaf.nbytes for leaf in leaves if leaf.ndim >= 1 and leaf.size > ndev) / ndev
+    peak = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+    return peak / data
+
+
+def distributed_child(n: int, repeat: int, path: str) -> None:
+    import jax
+
+    import shardax as sx
+    from shardax.particles import uniform, zsort
+
+    sx.initialize()
+    mesh = sx.flat_mesh()
+    glob = uniform.smap(mesh)(n=n // jax.device_count(), box=1.0, seed=0)
+    sort = zsort.smap(mesh)
+    t = _median_s(lambda: sort(glob, box=1.0), repeat)
+    if jax.process_index() == 0:
+        with open(path, "w") as f:
+            json.dump({f"zsort {jax.process_count()}x{jax.local_device_count()}": t}, f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=1_000_000, help="total number of particles")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--no-multiprocess", action="store_true", help="skip the 2 processes x 4 devices run")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        distributed_child(args.n, args.repeat, args.child)
+        return
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    results = single_process(args.n, args.repeat)
+    if not args.no_multiprocess:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "mp.json")
+            subprocess.run([sys.executable, "-m", "shardax.cli", "launch", "-n", "2", "--cpu-devices", "4",
+                            __file__, "--n", str(args.n), "--repeat", str(args.repeat), "--child", path],
+                           check=True)
+            with open(path) as f:
+                results.update(json.load(f))
+    base = results["zsort 1 device"]
+    print(f"zsort of {args.n:.0e} uniform float32 points (pos, ids, mass), medians of {args.repeat}")
+    for name, value in results.items():
+        if name.startswith("memory"):
+            print(f"  {name:28s} {value:6.2f}x particle buffers")
+        else:
+            print(f"  {name:28s} {value * 1e3:8.1f} ms   {value / base:5.2f}x zsort 1 device")
+    print(f"  zsort 1 device / numpy       {base / results['numpy']:5.2f}x (target <= 1.0)")
+
+
+if __name__ == "__main__":
+    main()
