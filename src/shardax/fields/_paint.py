@@ -1,0 +1,300 @@
+"""Cloud-in-cell mass assignment of distributed particles onto a distributed grid, and interpolation back."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from .. import comm
+from .._errors import CapacityError
+from ..core import ALL, default_mesh, rank_info, smap
+from ..particles import Particles
+from ..particles._particles import check_positions, row_count
+from ._grid import Grid, cell_index, default_spec, field_sharding
+
+_CORNERS = tuple(itertools.product((0, 1), repeat=3))
+
+
+def _to_owners(part: Any, grid: Grid, capacity: int, extra: dict[str, jax.Array]
+               ) -> tuple[dict[str, jax.Array], jax.Array, jax.Array]:
+    """Send every valid particle (with ``extra`` per-row leaves) to the device owning its lower grid point.
+
+    Returns the received rows, their count and the largest count any device had to receive (for the error).
+    """
+    n = row_count(part)
+    lower, _ = cell_index(part.pos, grid)
+    dest = grid.owner(lower)
+    valid = jnp.arange(n) < part.num
+    _, size, _ = rank_info()
+    wanted = jnp.zeros((size,), jnp.int32).at[dest].add(valid.astype(jnp.int32))
+    needed = jnp.max(comm.allreduce(wanted))
+    tree = {"pos": part.pos, **extra}
+    moved, num, _ = comm.exchange(tree, dest, num=part.num, capacity=capacity)
+    return moved, num, needed
+
+
+def _local_corner(lower: jax.Array, corner: tuple[int, ...], grid: Grid, starts: list[jax.Array | int]
+                  ) -> tuple[jax.Array, ...]:
+    """Index of a CIC corner in the block padded by one halo plane on the high side of every split axis."""
+    index = []
+    for dim, group in enumerate(grid.layout.groups):
+        i = lower[:, dim] + corner[dim]
+        index.append(i - starts[dim] if group else jnp.mod(i, grid.shape[dim]))
+    return tuple(index)
+
+
+def fold_halo(padded: jax.Array, grid: Grid) -> jax.Array:
+    """Add the high halo plane of every split axis to the first plane of the next device (periodic), then drop it.
+
+    Axes are folded one after another on the still padded block, so edge and corner cells reach the diagonal
+    neighbour: the transpose of :func:`extend_halo`.
+    """
+    for dim, group in enumerate(grid.layout.groups):
+        if not group:
+            continue
+        n = padded.shape[dim] - 1
+        body, halo = jax.lax.split(padded, (n, 1), axis=dim)
+        received = comm.shift(halo, 1, axis=group)  # rank r gets rank r - 1's halo plane
+        padded = jax.lax.dynamic_update_slice_in_dim(body, jax.lax.slice_in_dim(body, 0, 1, axis=dim) + received, 0,
+                                                    axis=dim)
+    return padded
+
+
+def extend_halo(block: jax.Array, grid: Grid) -> jax.Array:
+    """Append to every split axis the first plane of the next device (periodic): the high halo CIC reads."""
+    for dim, group in enumerate(grid.layout.groups):
+        if not group:
+            continue
+        received = comm.shift(jax.lax.slice_in_dim(block, 0, 1, axis=dim), -1, axis=group)
+        block = jnp.concatenate([block, received], axis=dim)
+    return block
+
+
+def _weights(frac: jax.Array, corner: tuple[int, ...]) -> jax.Array:
+    w = jnp.ones(frac.shape[:1], frac.dtype)
+    for dim, c in enumerate(corner):
+        w = w * (frac[:, dim] if c else 1 - frac[:, dim])
+    return w
+
+
+def _check(part: Any, where: str) -> None:
+    check_positions(part, where)
+    if jnp.shape(part.pos)[1] != 3:
+        raise ValueError(f"{where}: part.pos must have 3 columns (3D positions), got {jnp.shape(part.pos)}")
+
+
+def _capacity(capacity: int | None, part: Any) -> int:
+    if capacity is None:
+        return row_count(part)
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"capacity must be a positive int (particles a device may receive), got {capacity!r}")
+    return capacity
+
+
+def local_paint(part: Any, shape: Sequence[int], *, box: Any, spec: Any = None, capacity: int | None = None
+                ) -> tuple[jax.Array, jax.Array]:
+    """Cloud-in-cell mass assignment onto this device's block of a distributed grid (local view).
+
+    Particles first travel to the device owning their lower grid point (``sx.comm.exchange``); each deposits its
+    mass on the 8 surrounding grid points of its block padded by one halo plane on the high side of every split
+    axis, and the halo contributions are added to the next device's first plane (a one-sided halo exchange with
+    ``sx.comm.shift``, diagonal neighbours included). The box is periodic.
+
+    Args:
+        part: particles (`pos (n, 3)`, `num`, optional `mass (n,)`; unit masses without it).
+        shape: global grid shape ``(n0, n1, n2)``; grid point ``i`` sits at ``i * box / n``.
+        box: periodic box size, one number or three.
+        spec: the field's split over mesh axes (every axis of size > 1 must appear); ignored outside ``smap``.
+        capacity: particles a device may receive (default: the capacity of ``part``).
+
+    Returns:
+        ``(block, needed)``: this device's block of the mass field and the most particles any device had to
+        receive (greater than ``capacity`` means particles were dropped: retry with a larger ``capacity``).
+
+    Example:
+        >>> import jax.numpy as jnp, shardax as sx
+        >>> part = sx.particles.Particles(pos=jnp.array([[0.25, 0.5, 0.5]]), num=jnp.int32(1))
+        >>> rho, _ = sx.fields.local_paint(part, (4, 4, 4), box=1.0)
+        >>> float(rho.sum()), float(rho[1, 2, 2])
+        (1.0, 1.0)
+    """
+    _check(part, "local_paint")
+    grid = Grid.local(shape, spec, box, "local_paint")
+    capacity = _capacity(capacity, part)
+    n = row_count(part)
+    mass = jnp.ones((n,), part.pos.dtype) if getattr(part, "mass", None) is None else \
+        jnp.broadcast_to(jnp.asarray(part.mass, part.pos.dtype), (n,))
+    moved, num, needed = _to_owners(part, grid, capacity, {"mass": mass})
+    lower, frac = cell_index(moved["pos"], grid)
+    weight = jnp.where(jnp.arange(capacity) < num, moved["mass"], 0)
+    padded_shape = tuple(b + (1 if g else 0) for b, g in zip(grid.block, grid.layout.groups, strict=True))
+    starts = grid.block_start()
+    padded = jnp.zeros(padded_shape, part.pos.dtype)
+    for corner in _CORNERS:
+        index = _local_corner(lower, corner, grid, starts)
+        padded = padded.at[index].add(weight * _weights(frac, corner), mode="drop")
+    return fold_halo(padded, grid), needed
+
+
+def local_readout(field: jax.Array, part: Any, *, box: Any, spec: Any = None, capacity: int | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
+    """Cloud-in-cell interpolation of a distributed field at this device's particles (local view).
+
+    Particles travel to the device owning their lower grid point, read the 8 surrounding grid points from the
+    block extended by the next device's first plane along every split axis, and the values travel back to the
+    particles' rows.
+
+    Args:
+        field: this device's block of the field.
+        part: particles (`pos (n, 3)`, `num`).
+        box: periodic box size, one number or three.
+        spec: the field's split over mesh axes; ignored outside ``smap``.
+        capacity: particles a device may receive (default: the capacity of ``part``).
+
+    Returns:
+        ``(values, needed)``: `values (n,)` aligned with ``part``'s rows (0 on padding rows) and the most particles
+        any device had to receive.
+
+    Example:
+        >>> import jax.numpy as jnp, shardax as sx
+        >>> part = sx.particles.Particles(pos=jnp.array([[0.125, 0.0, 0.0]]), num=jnp.int32(1))
+        >>> field = jnp.arange(64.0).reshape(4, 4, 4)
+        >>> values, _ = sx.fields.local_readout(field, part, box=1.0)
+        >>> float(values[0])
+        8.0
+    """
+    _check(part, "local_readout")
+    if np.ndim(field) != 3:
+        raise ValueError(f"local_readout: field must be this device's 3D block, got shape {np.shape(field)}")
+    grid = Grid.from_block(np.shape(field), spec, box, "local_readout")
+    capacity = _capacity(capacity, part)
+    n = row_count(part)
+    rank, _, _ = rank_info()
+    extra = {"row": jnp.arange(n, dtype=jnp.int32), "origin": jnp.full((n,), rank, jnp.int32)}
+    moved, num, needed = _to_owners(part, grid, capacity, extra)
+    padded = extend_halo(field, grid)
+    lower, frac = cell_index(moved["pos"], grid)
+    starts = grid.block_start()
+    values = jnp.zeros((capacity,), jnp.result_type(field))
+    for corner in _CORNERS:
+        index = _local_corner(lower, corner, grid, starts)
+        values = values + padded.at[index].get(mode="fill", fill_value=0) * _weights(frac, corner)
+    back, _, _ = comm.exchange({"value": values, "row": moved["row"]}, moved["origin"], num=num, capacity=n)
+    rows = jnp.where(jnp.arange(n) < part.num, back["row"], n)
+    out = jnp.zeros((n,), values.dtype).at[rows].set(back["value"], mode="drop")
+    return out, needed
+
+
+def _rows(part: Any) -> dict[str, jax.Array]:
+    """The global particle arrays the kernels need (``None`` fields left out)."""
+    rows = {"pos": part.pos, "num": part.num}
+    if getattr(part, "mass", None) is not None:
+        rows["mass"] = part.mass
+    return rows
+
+
+def _local_part(rows: dict[str, jax.Array]) -> Particles:
+    """One device's particles from its ``(1, ...)`` slices of the global arrays."""
+    local = {name: a.reshape(a.shape[1:]) for name, a in rows.items()}
+    return Particles(pos=local["pos"], num=local["num"], mass=local.get("mass"))
+
+
+def _raise_capacity(name: str, needed: int, capacity: int) -> None:
+    if needed > capacity:
+        raise CapacityError(f"{name}: a device had to receive {needed} particles but capacity is {capacity}; pass "
+                            f"capacity={needed} or more", needed=needed, available=capacity, argument="capacity")
+
+
+def _particle_mesh(part: Any, mesh: Mesh | None) -> Mesh:
+    sharding = getattr(part.pos, "sharding", None)
+    if mesh is None and isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
+        return sharding.mesh
+    return default_mesh(mesh)
+
+
+@functools.lru_cache(maxsize=64)
+def _paint_fn(mesh: Mesh, shape: tuple[int, ...], box: Any, spec: PartitionSpec, capacity: int | None) -> Any:
+    def body(rows: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        return local_paint(_local_part(rows), shape, box=box, spec=spec, capacity=capacity)
+    return smap(body, in_specs=(PartitionSpec(ALL),), out_specs=(spec, PartitionSpec()), mesh=mesh, expand=False,
+                jit=True)
+
+
+def paint(part: Any, shape: Sequence[int], *, box: Any, mesh: Mesh | None = None, spec: Any = None,
+          capacity: int | None = None) -> jax.Array:
+    """Cloud-in-cell mass field of distributed particles on a distributed periodic grid.
+
+    Args:
+        part: global particles (fields `(ndev, cap, ...)`, `num (ndev,)`, as from ``sx.particles.from_numpy``).
+        shape: global grid shape ``(n0, n1, n2)``; grid point ``i`` sits at ``i * box / n``.
+        box: periodic box size, one number or three.
+        mesh: the mesh (default: that of ``part.pos``, else the context mesh, else ``sx.flat_mesh()``).
+        spec: the field's ``PartitionSpec`` (default: ``P(*mesh.axis_names)``, slabs on 1D meshes and pencils on
+            2D ones); it must split over every mesh axis of size > 1.
+        capacity: particles a device may receive (default: the particle capacity).
+
+    Returns:
+        The mass assigned to each grid point, `(n0, n1, n2)`, sharded by ``spec``; it sums to the total mass.
+
+    Raises:
+        CapacityError: a device had to receive more than ``capacity`` particles (nothing is returned half done).
+
+    Example:
+        >>> import numpy as np, shardax as sx
+        >>> part = sx.particles.from_numpy(np.random.default_rng(0).random((1000, 3)), mesh=sx.flat_mesh("d"))
+        >>> rho = sx.fields.paint(part, (16, 16, 16), box=1.0)
+        >>> round(float(rho.sum()))
+        1000
+    """
+    the_mesh = _particle_mesh(part, mesh)
+    the_spec = default_spec(the_mesh) if spec is None else spec
+    shape3 = tuple(int(n) for n in shape)
+    box_key = box if isinstance(box, int | float) else tuple(box)
+    field, needed = _paint_fn(the_mesh, shape3, box_key, the_spec, capacity)(_rows(part))
+    _raise_capacity("paint", int(needed), capacity or part.pos.shape[1])
+    return field
+
+
+@functools.lru_cache(maxsize=64)
+def _readout_fn(mesh: Mesh, box: Any, spec: PartitionSpec, capacity: int | None) -> Any:
+    def body(field: jax.Array, rows: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        values, needed = local_readout(field, _local_part(rows), box=box, spec=spec, capacity=capacity)
+        return values[None], needed
+    return smap(body, in_specs=(spec, PartitionSpec(ALL)), out_specs=(PartitionSpec(ALL), PartitionSpec()),
+                mesh=mesh, expand=False, jit=True)
+
+
+def readout(field: jax.Array, part: Any, *, box: Any, mesh: Mesh | None = None, spec: Any = None,
+            capacity: int | None = None) -> jax.Array:
+    """Cloud-in-cell interpolation of a distributed field at distributed particles (the transpose of :func:`paint`).
+
+    Args:
+        field: global field `(n0, n1, n2)` (its sharding gives the mesh and spec unless passed).
+        part: global particles (fields `(ndev, cap, ...)`, `num (ndev,)`).
+        box: periodic box size, one number or three.
+        mesh: the mesh (default: the field's).
+        spec: the field's ``PartitionSpec`` (default: the field's own).
+        capacity: particles a device may receive (default: the particle capacity).
+
+    Returns:
+        `(ndev, cap)` interpolated values aligned with ``part``'s rows (0 on padding rows), sharded like ``part``.
+
+    Example:
+        >>> import numpy as np, shardax as sx
+        >>> part = sx.particles.from_numpy(np.random.default_rng(0).random((1000, 3)), mesh=sx.flat_mesh("d"))
+        >>> rho = sx.fields.paint(part, (16, 16, 16), box=1.0)
+        >>> sx.fields.readout(rho, part, box=1.0).shape == part.pos.shape[:2]
+        True
+    """
+    the_mesh, the_spec = field_sharding(field, mesh, spec, "readout")
+    box_key = box if isinstance(box, int | float) else tuple(box)
+    values, needed = _readout_fn(the_mesh, box_key, the_spec, capacity)(field, _rows(part))
+    _raise_capacity("readout", int(needed), capacity or part.pos.shape[1])
+    return values
