@@ -41,8 +41,7 @@ def ref_keys(pos: np.ndarray, box: float | None) -> np.ndarray:
         origin = np.zeros(dim, dt)
         extent = np.full(dim, box, dt)
         pos = ref_wrap(pos, box)
-    u = (pos - origin) / extent
-    f = np.clip(np.floor(u * dt.type(2.0**bits)), 0, 2.0**bits)
+    f = np.clip(np.floor((pos - origin) * (dt.type(2.0**bits) / extent)), 0, 2.0**bits)
     cells = np.minimum(f.astype(np.uint64), np.uint64(2**bits - 1))
     key = np.zeros(len(pos), np.uint64)
     for i in range(bits):

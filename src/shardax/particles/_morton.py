@@ -1,7 +1,8 @@
 """Morton (z-order) keys in 2D and 3D as two 32-bit words, without ``jax_enable_x64``.
 
-Each coordinate is quantised to ``B`` bits (``B = 21`` in 3D, ``31`` in 2D) over a box, and bit ``i`` of dimension
-``k`` goes to bit ``D * i + k`` of the key (dimension 0 is the least significant within each group of ``D`` bits).
+Each coordinate is quantised to ``B`` bits (``B = 21`` in 3D, ``31`` in 2D) over a box, cell
+``min(floor((x - origin) * (2**B / extent)), 2**B - 1)`` in the position's dtype, and bit ``i`` of dimension ``k``
+goes to bit ``D * i + k`` of the key (dimension 0 is the least significant within each group of ``D`` bits).
 The ``D * B``-bit key (63 bits in 3D, 62 in 2D) is returned as ``(hi, lo)`` uint32 words, ``key = hi * 2**32 + lo``;
 the top bit of ``hi`` is always 0 for a finite position, and :data:`INVALID_KEY` (all ones) marks rows without one.
 
@@ -136,8 +137,8 @@ def morton_key(pos: jax.Array, box: KeyBox, valid: jax.Array | None = None) -> t
     dim = pos.shape[1]
     bits = KEY_BITS_PER_DIM[dim]
     scale = float(1 << bits)
-    u = (wrap(pos, box) - box.origin[None, :]) / box.extent[None, :]
-    f = jnp.clip(jnp.floor(u * jnp.asarray(scale, pos.dtype)), 0, scale)
+    cells_per_length = jnp.asarray(scale, pos.dtype) / box.extent
+    f = jnp.clip(jnp.floor((wrap(pos, box) - box.origin[None, :]) * cells_per_length[None, :]), 0, scale)
     cells = jnp.minimum(f.astype(jnp.uint32), jnp.uint32((1 << bits) - 1))
     hi, lo = interleave(cells)
     ok = jnp.all(jnp.isfinite(pos), axis=1)
