@@ -8,11 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh
 from jax.sharding import Mesh
-from test_zsort import ref_keys, ref_wrap
 
 import shardax as sx
+from conftest import make_mesh
 from shardax.particles import (
     Particles,
     conservation,
@@ -25,6 +24,7 @@ from shardax.particles import (
     uniform,
     with_ids,
 )
+from test_zsort import ref_keys, ref_wrap
 
 
 def test_particles_pytree_and_pad() -> None:
