@@ -1,7 +1,8 @@
-"""sx.fft at the third scale: 2 processes x 4 CPU devices (gloo), slabs over all 8 devices and process x device pencils.
+"""sx.fft and sx.fields at the third scale: 2 processes x 4 CPU devices (gloo), slabs over all 8 devices and
+process x device pencils.
 
-One launch runs every check; each process compares its addressable shards with numpy.fft on the full array. This
-module must not import conftest: the children import it by path and keep the launcher's device count.
+One launch runs every check; each process compares its addressable shards with NumPy on the full data. This module
+must not import conftest: the children import it by path and keep the launcher's device count.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
+from test_fields_reference import binned_numpy, cic_numpy, readout_numpy
 
 
 def _put(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -52,15 +54,47 @@ def fft_checks() -> dict:
         volume = sx.fft.collective_bytes(compiled.lower(x).compile())
         plan = sx.fft.plan(shape, spec, mesh=mesh, layout="transposed")
         specs[f"{label} volume"] = (volume.ops, volume.bytes_sent, len(plan.transposes), plan.bytes_moved(8))
+    errors.update(_fields_checks())
     return {"errors": errors, "specs": specs, "process": sx.world().process_id}
 
 
+def _fields_checks() -> dict[str, float]:
+    """CIC paint/readout and the power spectrum against NumPy (the CIC reference of tests/test_fields.py)."""
+    w = sx.world()
+    rng = np.random.default_rng(5)
+    pos = rng.random((3000, 3)).astype(np.float32) * 10.0
+    mass = rng.uniform(0.5, 1.5, 3000).astype(np.float32)
+    mine = slice(w.process_id * 1500, (w.process_id + 1) * 1500)
+    expected = cic_numpy(pos.astype(np.float64), mass.astype(np.float64), (16, 16, 16), 10.0)
+    errors = {}
+    for label, mesh in [("pencil", sx.grid_mesh(("hosts", "d")))]:  # one mesh: each launch check costs seconds
+        part = sx.particles.from_numpy(pos[mine], mesh=mesh, mass=mass[mine])
+        rho = sx.fields.paint(part, (16, 16, 16), box=10.0)
+        errors[f"{label} paint"] = _max_error(rho, expected)
+        values = sx.fields.readout(rho, part, box=10.0)
+        worst = 0.0
+        for vshard, pshard, nshard in zip(values.addressable_shards, part.pos.addressable_shards,
+                                          part.num.addressable_shards, strict=True):
+            n = int(np.asarray(nshard.data)[0])
+            ref = readout_numpy(expected, np.asarray(pshard.data)[0, :n].astype(np.float64), 10.0)
+            worst = max(worst, float(np.max(np.abs(np.asarray(vshard.data)[0, :n] - ref))) / expected.max())
+        errors[f"{label} readout"] = worst
+        delta_ref = expected / expected.mean() - 1
+        delta = rho / rho.mean() - 1
+        edges = sx.fields.bin_edges(5, (16, 16, 16), 10.0)
+        _, pk, modes = sx.fields.power_spectrum(delta, box=10.0, bins=edges, compensate=False)
+        _, pk_ref, modes_ref = binned_numpy(delta_ref, 10.0, edges)
+        errors[f"{label} modes"] = float(np.max(np.abs(np.asarray(modes) - modes_ref)))
+        errors[f"{label} power"] = float(np.max(np.abs(np.asarray(pk) - pk_ref)) / pk_ref.max())
+    return errors
+
+
 @pytest.mark.multiprocess
-def test_fft_two_processes() -> None:
+def test_fft_and_fields_two_processes() -> None:
     results = sx.testing.run_distributed(fft_checks, num_processes=2, cpu_devices=4)
     assert [res["process"] for res in results] == [0, 1]
     for res in results:
-        assert len(res["errors"]) == 12
+        assert len(res["errors"]) == 16
         for name, err in res["errors"].items():
             assert err < 1e-5, (name, err)
         assert res["specs"]["slab same"] == ("P('d',)", (32, 24, 16))

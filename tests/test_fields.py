@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import jax
@@ -15,31 +14,7 @@ from jax.sharding import PartitionSpec as P
 import shardax as sx
 from conftest import make_mesh
 from shardax.testing import assert_allclose
-
-
-def cic_numpy(pos: np.ndarray, mass: np.ndarray, shape: tuple[int, ...], box: float) -> np.ndarray:
-    """Plain CIC: grid point i at i * box / n, periodic."""
-    scaled = pos / (box / np.asarray(shape))
-    lower = np.floor(scaled).astype(np.int64)
-    frac = scaled - lower
-    rho = np.zeros(shape)
-    for corner in itertools.product((0, 1), repeat=3):
-        weight = np.prod([frac[:, d] if c else 1 - frac[:, d] for d, c in enumerate(corner)], axis=0)
-        index = tuple((lower[:, d] + c) % shape[d] for d, c in enumerate(corner))
-        np.add.at(rho, index, mass * weight)
-    return rho
-
-
-def readout_numpy(field: np.ndarray, pos: np.ndarray, box: float) -> np.ndarray:
-    shape = field.shape
-    scaled = pos / (box / np.asarray(shape))
-    lower = np.floor(scaled).astype(np.int64)
-    frac = scaled - lower
-    out = np.zeros(len(pos))
-    for corner in itertools.product((0, 1), repeat=3):
-        weight = np.prod([frac[:, d] if c else 1 - frac[:, d] for d, c in enumerate(corner)], axis=0)
-        out += field[tuple((lower[:, d] + c) % shape[d] for d, c in enumerate(corner))] * weight
-    return out
+from test_fields_reference import binned_numpy, cic_numpy, readout_numpy
 
 
 def _particles(mesh: Mesh, n: int = 2000, seed: int = 0) -> tuple[sx.particles.Particles, np.ndarray, np.ndarray]:
@@ -116,30 +91,13 @@ def _gaussian_field(n: int, box: float, seed: int) -> tuple[np.ndarray, callable
     return np.fft.irfftn(white * amplitude, s=(n, n, n), axes=(0, 1, 2)), power
 
 
-def _binned_numpy(delta: np.ndarray, box: float, edges: np.ndarray) -> tuple[np.ndarray, ...]:
-    n = delta.shape[0]
-    spectrum = np.abs(np.fft.rfftn(delta)) ** 2 * box**3 / n**6
-    k = 2 * np.pi * np.sqrt(np.fft.fftfreq(n, box / n)[:, None, None] ** 2
-                            + np.fft.fftfreq(n, box / n)[None, :, None] ** 2
-                            + np.fft.rfftfreq(n, box / n)[None, None, :] ** 2)
-    j = np.arange(n // 2 + 1)[None, None, :]
-    weight = np.where((j > 0) & (2 * j != n), 2, 1) * (k > 0)
-    weight = np.broadcast_to(weight, k.shape)
-    index = np.digitize(k, edges) - 1
-    ok = (index >= 0) & (index < len(edges) - 1) & (weight > 0)
-    modes = np.bincount(index[ok], weight[ok], len(edges) - 1)
-    pk = np.bincount(index[ok], (weight * spectrum)[ok], len(edges) - 1) / np.maximum(modes, 1)
-    kmean = np.bincount(index[ok], (weight * k)[ok], len(edges) - 1) / np.maximum(modes, 1)
-    return kmean, pk, modes.astype(np.int64)
-
-
 def test_power_spectrum_recovers_gaussian_field(mesh: Mesh) -> None:
     n, box = 32, 200.0
     delta, power = _gaussian_field(n, box, seed=7)
     field = jax.device_put(delta.astype(np.float32), NamedSharding(mesh, P(*mesh.axis_names)))
     k, pk, modes = sx.fields.power_spectrum(field, box=box, bins=8, compensate=False)
     edges = sx.fields.bin_edges(8, (n, n, n), box)
-    k_ref, pk_ref, modes_ref = _binned_numpy(delta, box, edges)
+    k_ref, pk_ref, modes_ref = binned_numpy(delta, box, edges)
     np.testing.assert_array_equal(np.asarray(modes), modes_ref)  # integer results identical at every scale
     assert_allclose(np.asarray(k), k_ref, dtype=np.float32)
     assert_allclose(np.asarray(pk) / pk_ref.max(), pk_ref / pk_ref.max(), dtype=np.float32)
