@@ -91,6 +91,7 @@ def min_image(dx: jax.Array, box: jax.Array | None) -> jax.Array:
     """Displacements mapped to the nearest periodic image (identity without a box)."""
     if box is None:
         return dx
+    box = box.reshape((1,) * (dx.ndim - 1) + (-1,))
     return dx - box * jnp.round(dx / box)
 
 
@@ -175,7 +176,7 @@ def finish(parts: Partial, label: jax.Array, keep: jax.Array, capacity: int,
     safe = jnp.where(mass > 0, mass, 1)
     com = take(parts.com, 0)
     if box is not None:
-        com = com - box * jnp.floor(com / box)
+        com = com - box[None, :] * jnp.floor(com / box[None, :])
     cat = Catalogue(num=num, count=take(parts.count, 0), mass=mass, com=com,
                     vel=take(parts.momentum, 0) / safe[:, None],
                     radius=jnp.sqrt(jnp.maximum(take(parts.moment2, 0), 0) / safe),

@@ -47,8 +47,8 @@ def _near_cells(pos: jax.Array, lower: jax.Array, upper: jax.Array, occupied: ja
     half = 0.5 * (upper - lower)
 
     def one(m: jax.Array, near: jax.Array) -> jax.Array:
-        dx = jnp.abs(min_image(pos - centre[m], box))
-        gap = jnp.maximum(dx - half[m], 0)
+        dx = jnp.abs(min_image(pos - centre[m][None, :], box))
+        gap = jnp.maximum(dx - half[m][None, :], 0)
         return near | (occupied[m] & (jnp.sum(gap * gap, axis=1) <= reach2))
 
     return lax.fori_loop(0, lower.shape[0], one, vary_like(jnp.zeros((pos.shape[0],), bool), pos))

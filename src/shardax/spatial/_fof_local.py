@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._grid import SENTINEL_KEY, Domain, Grid, cell_coords, cell_keys
+from ._grid import SENTINEL_KEY, Domain, Grid
 
 # Cell keys are int32: the product of the cell counts must stay below 2**31.
 _MAX_CELLS = {2: 2**15 - 1, 3: 2**10 - 1}
@@ -81,6 +81,17 @@ def link_grid(domain: Domain, num: jax.Array, linking_length: jax.Array, per_cel
     cells = jnp.clip(jnp.floor(ext / side), 1, _MAX_CELLS[dim]).astype(jnp.int32)
     stride = jnp.concatenate([jnp.ones((1,), jnp.int32), jnp.cumprod(cells)[:-1]])
     return Grid(cells, domain.extent / cells.astype(domain.extent.dtype), stride)
+
+
+def cell_coords(pos: jax.Array, domain: Domain, grid: Grid) -> jax.Array:
+    """Integer cell coordinates `(n, d)` of positions `(n, d)`, clipped into the grid."""
+    c = jnp.floor((pos - domain.lo[None, :]) / grid.size[None, :]).astype(jnp.int32)
+    return jnp.clip(c, 0, grid.cells[None, :] - 1)
+
+
+def cell_keys(coords: jax.Array, grid: Grid) -> jax.Array:
+    """Row-major cell keys `(n,)` with axis 0 fastest."""
+    return jnp.sum(coords * grid.stride[None, :], axis=-1)
 
 
 def sort_points(pos: jax.Array, valid: jax.Array, domain: Domain, grid: Grid) -> SortedPoints:
@@ -199,10 +210,10 @@ def find_links(points: SortedPoints, num: jax.Array, linking_length: jax.Array, 
         blk = jnp.minimum(jnp.searchsorted(chunk_end, item, side="right").astype(jnp.int32), n - 1)
         chunk = item - (chunk_end[blk] - chunks[blk])
         live = item < num_items
-        qi = block_start[blk][:, None] + jnp.arange(block, dtype=jnp.int32)
+        qi = block_start[blk][:, None] + jnp.arange(block, dtype=jnp.int32)[None, :]
         qvalid = live[:, None] & (qi < block_end[blk][:, None])
         qi = jnp.minimum(qi, n - 1)
-        s = chunk[:, None] * capacity + slot
+        s = chunk[:, None] * capacity + slot[None, :]
         cum = run_cum[blk]
         which = jnp.minimum(jnp.sum(s[:, :, None] >= cum[:, None, :], axis=-1, dtype=jnp.int32), cum.shape[1] - 1)
         before = jnp.take_along_axis(cum - run_len[blk], which, axis=1)

@@ -1,0 +1,168 @@
+"""Friends-of-friends against cKDTree.query_pairs + connected_components, at 1 device and on meshes of 8 CPU devices.
+
+The third scale (2 processes x 4 devices) is in tests/test_fof_multiprocess.py, which also holds the data sets and
+the SciPy references used here.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from test_fof_multiprocess import (
+    MIN_MEMBERS,
+    compare_catalogues,
+    labels_by_input_index,
+    mixed_periodic,
+    reference_catalogue,
+    reference_labels,
+    uniform_open_2d,
+)
+
+import shardax as sx
+from shardax.particles import Particles
+from shardax.spatial._fof import fof
+
+
+def _local(data: dict, **kw) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The local view on one device, outside any mesh."""
+    pos = data["pos"]
+    part = Particles(pos=jnp.asarray(pos), num=jnp.int32(len(pos)),
+                     mass=None if data["mass"] is None else jnp.asarray(data["mass"]),
+                     vel=None if data["vel"] is None else jnp.asarray(data["vel"]))
+    res = fof(part, data["linking_length"], box=data["box"], **kw)
+    assert not bool(res.overflow)
+    return np.asarray(res.labels), res.catalogue.to_numpy()
+
+
+def _global(data: dict, shape: tuple[int, ...], **kw) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    mesh = make_mesh(shape)
+    fields = {k: data[k] for k in ("mass", "vel") if data[k] is not None}
+    part = sx.particles.from_numpy(data["pos"], mesh=mesh, **fields)
+    res = fof.smap(mesh)(part, data["linking_length"], box=data["box"], **kw)
+    labels = labels_by_input_index(np.asarray(res.labels), np.asarray(part.ids), np.asarray(part.num),
+                                   len(data["pos"]))
+    return labels, res.catalogue.to_numpy()
+
+
+@pytest.fixture(scope="module")
+def mixed() -> tuple[dict, np.ndarray, dict[str, np.ndarray]]:
+    data = mixed_periodic()
+    want = reference_labels(data["pos"], data["linking_length"], data["box"], MIN_MEMBERS)
+    return data, want, reference_catalogue(data["pos"], want, data["mass"], data["vel"], data["box"])
+
+
+def test_mixed_periodic_one_device(mixed) -> None:
+    data, want, cat = mixed
+    labels, got = _local(data, min_members=MIN_MEMBERS)
+    np.testing.assert_array_equal(labels, want)
+    compare_catalogues(got, cat)
+    # The data exercise what they are meant to: blobs, the box-crossing blob and the filament are groups.
+    counts = np.bincount(want[want >= 0])
+    assert (counts >= 75).sum() >= 5 and (counts >= 40).sum() >= 6
+    corner = np.flatnonzero(np.all(np.minimum(data["pos"], 1 - data["pos"]) < 0.02, axis=1))
+    assert len(np.unique(want[corner])) == 1 and want[corner[0]] >= 0
+
+
+def test_mixed_periodic_meshes(mixed, mesh) -> None:
+    data, want, cat = mixed
+    labels, got = _global(data, mesh.devices.shape, min_members=MIN_MEMBERS)
+    np.testing.assert_array_equal(labels, want)
+    compare_catalogues(got, cat)
+
+
+def test_open_2d() -> None:
+    data = uniform_open_2d()
+    want = reference_labels(data["pos"], data["linking_length"], None, 3)
+    cat = reference_catalogue(data["pos"], want, None, None, None)
+    assert len(cat["label"]) > 20
+    for labels, got in (_local(data, min_members=3), _global(data, (8,), min_members=3)):
+        np.testing.assert_array_equal(labels, want)
+        compare_catalogues(got, cat)
+        np.testing.assert_array_equal(got["mass"], got["count"].astype(np.float32))
+
+
+def test_blob_membership_and_min_members() -> None:
+    """Well separated blobs are exactly the groups; every other particle is unlabelled."""
+    rng = np.random.default_rng(7)
+    centres = rng.random((6, 3)) * 0.8 + 0.1
+    centres[:, 0] = np.linspace(0.1, 0.9, 6)
+    sizes = [30, 12, 25, 8, 40, 19]
+    pos = np.concatenate([c + 0.002 * rng.standard_normal((s, 3)) for c, s in zip(centres, sizes, strict=True)])
+    member = np.repeat(np.arange(6), sizes)
+    order = rng.permutation(len(pos))
+    pos, member = pos[order].astype(np.float32), member[order]
+    data = {"pos": pos, "vel": None, "mass": None, "linking_length": 0.03, "box": None}
+    for labels, got in (_local(data, min_members=10), _global(data, (2, 4), min_members=10)):
+        for blob, size in enumerate(sizes):
+            mine = labels[member == blob]
+            expect = np.flatnonzero(member == blob).min() if size >= 10 else -1
+            np.testing.assert_array_equal(mine, expect)
+        np.testing.assert_array_equal(np.sort(got["count"]), sorted(s for s in sizes if s >= 10))
+
+
+def test_degenerate_giant_and_empty() -> None:
+    rng = np.random.default_rng(3)
+    giant = {"pos": rng.random((600, 3)).astype(np.float32), "vel": None, "mass": None,
+             "linking_length": 0.2, "box": None}
+    lonely = {"pos": (np.arange(300)[:, None] * np.array([[0.01, 0.0, 0.0]])).astype(np.float32), "vel": None,
+              "mass": None, "linking_length": 0.005, "box": None}
+    for data, minimum in ((giant, 20), (lonely, 2)):
+        want = reference_labels(data["pos"], data["linking_length"], None, minimum)
+        for labels, got in (_local(data, min_members=minimum, edge_capacity=60000),
+                            _global(data, (8,), min_members=minimum, edge_capacity=60000)):
+            np.testing.assert_array_equal(labels, want)
+            compare_catalogues(got, reference_catalogue(data["pos"], want, None, None, None))
+    assert (reference_labels(giant["pos"], 0.2, None, 20) == 0).all()
+    assert (reference_labels(lonely["pos"], 0.005, None, 2) == -1).all()
+
+
+def test_all_duplicates() -> None:
+    pos = np.full((64, 3), 0.25, np.float32)
+    data = {"pos": pos, "vel": None, "mass": None, "linking_length": 0.01, "box": 1.0}
+    labels, got = _global(data, (4,), min_members=2, edge_capacity=4096)
+    np.testing.assert_array_equal(labels, 0)
+    assert got["count"].tolist() == [64] and got["radius"][0] == 0
+    np.testing.assert_allclose(got["com"][0], 0.25)
+
+
+def test_bad_input() -> None:
+    part = Particles(pos=jnp.zeros((8, 3)), num=jnp.int32(8))
+    with pytest.raises(ValueError, match="linking_length must be positive"):
+        fof(part, 0.0)
+    with pytest.raises(ValueError, match="linking_length must be positive"):
+        fof(part, -1.0)
+    with pytest.raises(ValueError, match="larger than half the periodic box"):
+        fof(part, 0.6, box=1.0)
+    with pytest.raises(ValueError, match="min_members"):
+        fof(part, 0.1, min_members=0)
+    with pytest.raises(ValueError, match="shape"):
+        fof(Particles(pos=jnp.zeros((8, 4)), num=jnp.int32(8)), 0.1)
+    with pytest.raises(TypeError, match="linking_length"):
+        fof(part, jnp.ones(2))
+    with pytest.raises(ValueError, match="box must be a scalar or have 3"):
+        fof(part, 0.1, box=(1.0, 1.0))
+    nan = Particles(pos=jnp.zeros((8, 3)).at[3, 1].set(jnp.nan), num=jnp.int32(8))
+    with pytest.raises(ValueError, match="NaN"):
+        fof(nan, 0.1)
+    mesh = make_mesh((2,))
+    good = sx.particles.from_numpy(np.random.default_rng(0).random((40, 3)).astype(np.float32), mesh=mesh)
+    bad = Particles(pos=good.pos.at[1, 2, 0].set(jnp.nan), num=good.num, ids=good.ids)
+    with pytest.raises(ValueError, match="NaN"):
+        fof.smap(mesh)(bad, 0.1)
+    with pytest.raises(ValueError, match="global particle pytree"):
+        fof.smap(mesh)(part, 0.1)
+
+
+def test_capacity_error_names_the_argument() -> None:
+    mesh = make_mesh((2,))
+    pos = np.random.default_rng(1).random((400, 3)).astype(np.float32)
+    part = sx.particles.from_numpy(pos, mesh=mesh)
+    with pytest.raises(sx.CapacityError, match="edge_capacity") as err:
+        fof.smap(mesh)(part, 0.3, min_members=2, edge_capacity=16)
+    assert err.value.argument == "edge_capacity" and err.value.needed > 16
+    res = fof.smap(mesh)(part, 0.3, min_members=2, edge_capacity=err.value.needed)
+    want = reference_labels(pos, 0.3, None, 2)
+    got = labels_by_input_index(np.asarray(res.labels), np.asarray(part.ids), np.asarray(part.num), len(pos))
+    np.testing.assert_array_equal(got, want)

@@ -1,0 +1,160 @@
+"""FoF at the third scale (2 processes x 4 CPU devices), plus the data sets and SciPy references of tests/test_fof.py.
+
+This module must not import conftest: the children of ``sx.testing.run_distributed`` import it by path and keep the
+device count of the launcher. Module-level code stays free of JAX computations.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import pytest
+from jax.experimental import multihost_utils
+from scipy.sparse import coo_matrix
+from scipy.sparse.csgraph import connected_components
+from scipy.spatial import cKDTree
+
+import shardax as sx
+from shardax.spatial._fof import fof
+
+MIN_MEMBERS = 5
+
+
+def mixed_periodic(seed: int = 4) -> dict:
+    """Periodic 3D box: uniform background, Gaussian blobs (one across the corner of the box), a filament that
+    crosses the box along x (one group over every device), and duplicated points."""
+    rng = np.random.default_rng(seed)
+    background = rng.random((1200, 3))
+    centres = np.array([[0.3, 0.3, 0.3], [0.7, 0.2, 0.6], [0.5, 0.8, 0.4], [0.0, 0.0, 0.0]])
+    blobs = np.concatenate([c + 0.008 * rng.standard_normal((80, 3)) for c in centres])
+    x = np.arange(0, 1, 0.012)
+    filament = np.stack([x, np.full_like(x, 0.61), np.full_like(x, 0.13)], axis=1)
+    duplicates = np.repeat(np.array([[0.9, 0.45, 0.77]]), 40, axis=0)
+    pos = np.concatenate([background, blobs, filament, duplicates]) % 1.0
+    pos = pos[rng.permutation(len(pos))].astype(np.float32)
+    vel = rng.standard_normal(pos.shape).astype(np.float32)
+    mass = rng.uniform(0.5, 2.0, len(pos)).astype(np.float32)
+    return {"pos": pos, "vel": vel, "mass": mass, "linking_length": 0.02, "box": 1.0}
+
+
+def uniform_open_2d(seed: int = 5) -> dict:
+    rng = np.random.default_rng(seed)
+    pos = rng.random((1500, 2)).astype(np.float32)
+    return {"pos": pos, "vel": None, "mass": None, "linking_length": 0.7 / np.sqrt(1500), "box": None}
+
+
+def reference_labels(pos: np.ndarray, linking_length: float, box: float | None, min_members: int) -> np.ndarray:
+    """Labels by cKDTree.query_pairs + connected_components: smallest member index, -1 below min_members."""
+    pos64 = np.asarray(pos, np.float64)
+    if box is not None:
+        pos64 = pos64 % box
+    pairs = cKDTree(pos64, boxsize=box).query_pairs(linking_length, output_type="ndarray")
+    n = len(pos64)
+    graph = coo_matrix((np.ones(len(pairs)), (pairs[:, 0], pairs[:, 1])), shape=(n, n))
+    _, comp = connected_components(graph, directed=False)
+    smallest = np.full(comp.max() + 1, n)
+    np.minimum.at(smallest, comp, np.arange(n))
+    labels = smallest[comp]
+    labels[np.bincount(comp)[comp] < min_members] = -1
+    return labels
+
+
+def reference_catalogue(pos: np.ndarray, labels: np.ndarray, mass: np.ndarray | None, vel: np.ndarray | None,
+                        box: float | None) -> dict[str, np.ndarray]:
+    """The catalogue of the labelled groups, in float64, sorted by label (``spanning``: groups too wide for a
+    periodic centre of mass)."""
+    pos = np.asarray(pos, np.float64)
+    dim = pos.shape[1]
+    mass = np.ones(len(pos)) if mass is None else np.asarray(mass, np.float64)
+    vel = np.zeros_like(pos) if vel is None else np.asarray(vel, np.float64)
+    out: dict[str, list] = {k: [] for k in ("count", "mass", "com", "vel", "radius", "label", "spanning")}
+    for label in np.unique(labels[labels >= 0]):
+        idx = np.flatnonzero(labels == label)
+        m = mass[idx]
+        d = pos[idx] - pos[idx[0]]
+        if box is not None:
+            d -= box * np.round(d / box)
+        com = pos[idx[0]] + (m[:, None] * d).sum(0) / m.sum()
+        dc = pos[idx] - com
+        if box is not None:
+            dc -= box * np.round(dc / box)
+            com = com % box
+        out["count"].append(len(idx))
+        out["mass"].append(m.sum())
+        out["com"].append(com)
+        out["vel"].append((m[:, None] * vel[idx]).sum(0) / m.sum())
+        out["radius"].append(np.sqrt((m * (dc * dc).sum(1)).sum() / m.sum()))
+        out["label"].append(label)
+        # A group as wide as half the periodic box (the filament ring) has no well-defined centre.
+        out["spanning"].append(box is not None and bool(np.any(np.ptp(d, axis=0) > 0.5 * box)))
+    shapes = {"com": (0, dim), "vel": (0, dim)}
+    return {k: np.asarray(v) if v else np.zeros(shapes.get(k, (0,))) for k, v in out.items()}
+
+
+def labels_by_input_index(labels: np.ndarray, ids: np.ndarray, num: np.ndarray, total: int) -> np.ndarray:
+    """Global ``(ndev, n)`` labels rearranged into input order through the particles' ``ids``."""
+    out = np.full(total, -2, np.int64)
+    for d in range(labels.shape[0]):
+        out[ids[d, : num[d]]] = labels[d, : num[d]]
+    return out
+
+
+def compare_catalogues(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    np.testing.assert_array_equal(got["label"], want["label"])
+    np.testing.assert_array_equal(got["count"], want["count"])
+    compact = ~want["spanning"].astype(bool)
+    for name in ("mass", "com", "vel", "radius"):
+        np.testing.assert_allclose(got[name][compact], want[name][compact], rtol=2e-4, atol=2e-5, err_msg=name)
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    if not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def _distributed_body(out_dir: str) -> dict:
+    """Run every scenario on 2 processes x 4 devices; each process passes its own slice of the rows."""
+    me, nproc = sx.world().process_id, sx.world().num_processes
+    results = {}
+    for name, data in (("mixed", mixed_periodic()), ("open2d", uniform_open_2d())):
+        rows = np.array_split(np.arange(len(data["pos"])), nproc)[me]
+        fields = {k: data[k][rows] for k in ("vel", "mass") if data[k] is not None}
+        part = sx.particles.from_numpy(data["pos"][rows], **fields)
+        res = fof.smap()(part, data["linking_length"], box=data["box"], min_members=MIN_MEMBERS)
+        flat = sx.particles.squeeze(part)
+        labels = _host(res.labels)
+        num = _host(part.num)
+        ids = _host(part.ids)
+        results[name] = {"labels": labels_by_input_index(labels, ids, num, len(data["pos"])),
+                         "catalogue": res.catalogue.to_numpy(), "count": len(flat["pos"])}
+        if name == "mixed":
+            shared = os.path.join(out_dir, "catalogue.h5")
+            ranked = os.path.join(out_dir, "catalogue_ranked.h5")
+            sx.io.write(shared, res.catalogue)
+            files = sx.io.write(ranked, res.catalogue, per_rank=True)
+            results["io"] = {"shared": sx.io.read(shared, like=res.catalogue),
+                             "ranked": sx.io.read(ranked), "files": files}
+    return results
+
+
+@pytest.mark.multiprocess
+def test_fof_two_processes(tmp_path) -> None:
+    results = sx.testing.run_distributed(_distributed_body, str(tmp_path), num_processes=2, cpu_devices=4)
+    for name, data in (("mixed", mixed_periodic()), ("open2d", uniform_open_2d())):
+        want = reference_labels(data["pos"], data["linking_length"], data["box"], MIN_MEMBERS)
+        cat = reference_catalogue(data["pos"], want, data["mass"], data["vel"], data["box"])
+        for res in results:
+            np.testing.assert_array_equal(res[name]["labels"], want)
+            compare_catalogues(res[name]["catalogue"], cat)
+    assert len(np.unique(want[want >= 0])) > 3
+    # Catalogue files: the shared file and the per-rank files hold the same global arrays.
+    io0, io1 = results[0]["io"], results[1]["io"]
+    assert len(io0["files"]) == 3 and io0["files"] == io1["files"]
+    shared, ranked = io0["shared"], io0["ranked"]
+    np.testing.assert_array_equal(np.asarray(shared.label), ranked["label"])
+    np.testing.assert_array_equal(np.asarray(shared.num), ranked["num"])
+    rows = [np.asarray(shared.label)[d, : int(shared.num[d])] for d in range(8)]
+    np.testing.assert_array_equal(np.sort(np.concatenate(rows)), results[0]["mixed"]["catalogue"]["label"])
