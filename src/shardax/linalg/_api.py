@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..core import smap
@@ -20,6 +21,13 @@ from ._syevd import jacobi_eigh_local
 
 def _constrain(x: jax.Array, sharding: NamedSharding | None) -> jax.Array:
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _reshard(x: Any, sharding: NamedSharding | None) -> Any:
+    """``x`` with exactly ``sharding`` (jit may return an equivalent one, e.g. on a one-device mesh)."""
+    if x is None or sharding is None or isinstance(x, Tracer) or x.sharding == sharding:
+        return x
+    return jax.device_put(x, sharding)
 
 
 @functools.lru_cache(maxsize=64)
@@ -98,7 +106,9 @@ def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_s
     the_mesh = resolve_mesh(mesh, a)
     a, b = apply_in_specs(a, b, the_mesh, in_specs)
     layout = BlockCyclic.create(a.shape[0], size, the_mesh.size)
-    x, logdet, info = _solver(the_mesh, layout, return_logdet, user_sharding(b, the_mesh))(a, b)
+    b_sharding = user_sharding(b, the_mesh)
+    x, logdet, info = _solver(the_mesh, layout, return_logdet, b_sharding)(a, b)
+    x = _reshard(x, b_sharding)
     out: tuple = (x,) + ((logdet,) if return_logdet else ()) + ((info,) if return_status else ())
     return out[0] if len(out) == 1 else out
 
@@ -156,7 +166,9 @@ def _factor_api(a: Any, tile: int, mesh: Mesh | None, return_status: bool, *, in
     check_matrix(a)
     the_mesh = resolve_mesh(mesh, a)
     layout = BlockCyclic.create(a.shape[0], size, the_mesh.size)
-    out, info = _factor(the_mesh, layout, inverse, user_sharding(a, the_mesh))(a)
+    a_sharding = user_sharding(a, the_mesh)
+    out, info = _factor(the_mesh, layout, inverse, a_sharding)(a)
+    out = _reshard(out, a_sharding)
     return (out, info) if return_status else out
 
 
@@ -178,7 +190,7 @@ def _eigensolver(mesh: Mesh, n: int, max_sweeps: int, vectors: bool, a_sharding:
         pad = npad - n
         herm = jnp.pad(herm, ((0, pad), (0, pad)))
         if pad:
-            idx = jnp.arange(n, npad)
+            idx = jnp.arange(n, npad, dtype=jnp.int32)
             herm = herm.at[idx, idx].set((2 * bound + 1).astype(a.dtype))
         w, v, _, converged = local(herm)
         order = jnp.argsort(w)[:n]
@@ -226,7 +238,8 @@ def syevd(a: Any, *, mesh: Mesh | None = None, return_eigenvectors: bool = True,
         raise ValueError(f"max_sweeps must be a positive int, got {max_sweeps!r}")
     check_matrix(a)
     the_mesh = resolve_mesh(mesh, a)
-    run = _eigensolver(the_mesh, a.shape[0], max_sweeps, return_eigenvectors, user_sharding(a, the_mesh))
-    w, v, status = run(a)
+    a_sharding = user_sharding(a, the_mesh)
+    w, v, status = _eigensolver(the_mesh, a.shape[0], max_sweeps, return_eigenvectors, a_sharding)(a)
+    v = _reshard(v, a_sharding)
     out: tuple = (w,) + ((v,) if return_eigenvectors else ()) + ((status,) if return_status else ())
     return out[0] if len(out) == 1 else out

@@ -61,7 +61,7 @@ def _solve_bwd(layout, with_logdet, residuals, cotangents):
         inverse = inverse_local(factor, layout)
         g = g + logdet_bar.astype(inverse.dtype) * jnp.conj(inverse)
         g_h = g_h + logdet_bar.astype(inverse.dtype) * jnp.conj(inverse)
-    rows = jnp.arange(layout.padded)[:, None]
+    rows = jnp.arange(layout.padded, dtype=jnp.int32)[:, None]
     a_bar = jnp.where(rows > cols[None, :], g + g_h, jnp.zeros_like(g))
     a_bar = jnp.where(rows == cols[None, :], jnp.real(g).astype(g.dtype), a_bar)
     return vary_like(a_bar, factor), b_bar

@@ -64,7 +64,7 @@ def to_cyclic(a: jax.Array, layout: BlockCyclic) -> jax.Array:
     pad = layout.padded - layout.n
     a = jnp.pad(a, ((0, pad), (0, pad)))
     if pad:
-        idx = jnp.arange(layout.n, layout.padded)
+        idx = jnp.arange(layout.n, layout.padded, dtype=jnp.int32)
         a = a.at[idx, idx].set(jnp.ones((), a.dtype))
     return _deal_columns(a, layout)
 
@@ -93,7 +93,7 @@ def gather_columns(local: jax.Array, layout: BlockCyclic, allgather) -> jax.Arra
 
 def global_columns(rank: jax.Array | int, layout: BlockCyclic) -> jax.Array:
     """Global column index of each of this device's ``width`` local columns."""
-    local = jnp.arange(layout.width)
+    local = jnp.arange(layout.width, dtype=jnp.int32)
     return (local // layout.tile * layout.nproc + rank) * layout.tile + local % layout.tile
 
 

@@ -9,7 +9,7 @@ from jax import lax
 from ..comm import allreduce
 from ..core import rank_info
 from ._layout import BlockCyclic, global_columns
-from ._vary import vary_like
+from ._vary import index, vary_like
 
 # The fori_loop over factorisation steps is split into at most this many phases with static, shrinking windows:
 # phase q only touches rows and local columns past its start, and its update skips the column groups' upper
@@ -27,7 +27,7 @@ def first_failure(diag: jax.Array) -> jax.Array:
     """1-based index of the first non-positive pivot of the Hermitian ``diag: (t, t)`` (its lower triangle), by an
     unblocked Cholesky; 0 if there is none. Only run on a block that LAPACK reported as failed."""
     t = diag.shape[0]
-    rows = jnp.arange(t)
+    rows = jnp.arange(t, dtype=jnp.int32)
 
     def body(j, carry):
         m, fail = carry
@@ -38,7 +38,7 @@ def first_failure(diag: jax.Array) -> jax.Array:
         column = jnp.where(rows > j, column, jnp.zeros_like(column))
         return m - column[:, None] * jnp.conj(column)[None, :], fail
 
-    return lax.fori_loop(0, t, body, (jnp.tril(diag), vary_like(jnp.int32(0), diag)))[1]
+    return lax.fori_loop(jnp.int32(0), jnp.int32(t), body, (jnp.tril(diag), vary_like(jnp.int32(0), diag)))[1]
 
 
 def potrf_local(a: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.Array]:
@@ -65,18 +65,18 @@ def potrf_local(a: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.Array
             a, info = carry
             kl, owner = k // size, k % size
             is_owner = rank == owner
-            col = lax.dynamic_slice(a, (row0, kl * t), (npad - row0, t))
+            col = lax.dynamic_slice(a, index(row0, kl * t), (npad - row0, t))
             offset = k * t - row0
-            rows = jnp.arange(npad - row0)[:, None]
+            rows = jnp.arange(npad - row0, dtype=jnp.int32)[:, None]
 
             def factor(col):
-                diag = lax.dynamic_slice(col, (offset, 0), (t, t))
+                diag = lax.dynamic_slice(col, index(offset, 0), (t, t))
                 lkk = lax.linalg.cholesky(diag, symmetrize_input=False)
                 ok = jnp.all(jnp.isfinite(lkk))
                 panel = lax.linalg.triangular_solve(lkk, col, left_side=False, lower=True, transpose_a=True,
                                                     conjugate_a=True)
                 panel = jnp.where(rows >= offset + t, panel, jnp.zeros_like(panel))
-                panel = lax.dynamic_update_slice(panel, jnp.tril(lkk), (offset, 0))
+                panel = lax.dynamic_update_slice(panel, jnp.tril(lkk), index(offset, 0))
                 fail = lax.cond(ok, lambda d: vary_like(jnp.int32(0), d), first_failure, diag)
                 return panel, jnp.where(fail > 0, fail + k * t, 0).astype(jnp.int32)
 
@@ -85,7 +85,7 @@ def potrf_local(a: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.Array
 
             panel, fail = lax.cond(is_owner, factor, idle, col)
             info = jnp.where((info == 0) & (fail > 0), fail, info)
-            a = lax.dynamic_update_slice(a, jnp.where(is_owner, panel, col), (row0, kl * t))
+            a = lax.dynamic_update_slice(a, jnp.where(is_owner, panel, col), index(row0, kl * t))
             panel = allreduce(panel)
             # Rows of the panel that multiply this device's columns; blocks <= k are zeroed, so factored columns
             # (and column k itself) receive no update.
@@ -100,10 +100,10 @@ def potrf_local(a: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.Array
                 a = a.at[rg:, c0:c1].add(-update)
             return a, info
 
-        a, info = lax.fori_loop(bounds[q] * size, bounds[q + 1] * size, step, (a, info))
+        a, info = lax.fori_loop(jnp.int32(bounds[q] * size), jnp.int32(bounds[q + 1] * size), step, (a, info))
     info = allreduce(jnp.where(info > 0, info, jnp.iinfo(jnp.int32).max), "min")
     info = jnp.where(info == jnp.iinfo(jnp.int32).max, 0, info)
     cols = global_columns(rank, layout)
-    lower = jnp.arange(npad)[:, None] >= cols[None, :]
+    lower = jnp.arange(npad, dtype=jnp.int32)[:, None] >= cols[None, :]
     a = jnp.where(lower, a, jnp.zeros_like(a))
     return jnp.where(info > 0, jnp.full_like(a, jnp.nan), a), info

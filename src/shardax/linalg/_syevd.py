@@ -83,7 +83,8 @@ def jacobi_eigh_local(m: jax.Array, max_sweeps: int) -> tuple[jax.Array, jax.Arr
     npad, width = m.shape
     real = jnp.finfo(m.dtype).dtype
     source = _tournament_source(size)
-    v = vary_like((jnp.arange(npad)[:, None] == rank * width + jnp.arange(width)[None, :]).astype(m.dtype), m)
+    identity = jnp.arange(npad, dtype=jnp.int32)[:, None] == rank * width + jnp.arange(width, dtype=jnp.int32)[None, :]
+    v = vary_like(identity.astype(m.dtype), m)
 
     def pair_block(m):
         start = jnp.asarray(rank * width, jnp.int32)
@@ -109,7 +110,7 @@ def jacobi_eigh_local(m: jax.Array, max_sweeps: int) -> tuple[jax.Array, jax.Arr
 
     def sweep(carry):
         m, v, count, _ = carry
-        m, v = lax.fori_loop(0, 2 * size - 1, step, (m, v))
+        m, v = lax.fori_loop(jnp.int32(0), jnp.int32(2 * size - 1), step, (m, v))
         return m, v, count + 1, off_norm(m)[0]
 
     off, total = off_norm(m)

@@ -1,0 +1,274 @@
+"""sx.linalg (potrf, potrs, potri, syevd) against NumPy/SciPy on 1, 4 and 8 devices, every input layout."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.linalg as sl
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from jax.test_util import check_grads
+
+import shardax as sx
+from conftest import make_mesh
+from shardax.linalg._core import solve_local
+from shardax.linalg._layout import BlockCyclic, from_cyclic, to_cyclic
+from shardax.linalg._potrf import potrf_local
+from shardax.linalg._syevd import jacobi_eigh_local
+
+
+def hpd(n: int, dtype, *, seed: int = 0, cond: float | None = None) -> np.ndarray:
+    """A Hermitian positive definite matrix: well conditioned, or with eigenvalues spread over ``cond``."""
+    rng = np.random.default_rng(seed)
+    m = rng.standard_normal((n, n))
+    if np.dtype(dtype).kind == "c":
+        m = m + 1j * rng.standard_normal((n, n))
+    if cond is None:
+        a = m @ m.conj().T / n + np.eye(n)
+    else:
+        q, _ = np.linalg.qr(m)
+        a = (q * np.logspace(0, -np.log10(cond), n)) @ q.conj().T
+        a = (a + a.conj().T) / 2
+    return a.astype(dtype)
+
+
+def rhs(n: int, k: int | None, dtype, seed: int = 1) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    shape = (n,) if k is None else (n, k)
+    b = rng.standard_normal(shape)
+    if np.dtype(dtype).kind == "c":
+        b = b + 1j * rng.standard_normal(shape)
+    return b.astype(dtype)
+
+
+def spec(layout: str, mesh) -> P:
+    axes = tuple(mesh.axis_names)
+    return {"rows": P(axes, None), "cols": P(None, axes), "2d": P(*axes), "replicated": P()}[layout]
+
+
+def put(x: np.ndarray, mesh, layout: str) -> jax.Array:
+    return jax.device_put(x, NamedSharding(mesh, spec(layout, mesh)))
+
+
+def close(actual, desired, dtype, scale: float = 1.0) -> None:
+    tol = sx.testing.tolerance(dtype, kind="linalg")
+    np.testing.assert_allclose(np.asarray(actual), desired, rtol=scale * tol["rtol"], atol=scale * tol["atol"])
+
+
+def check_eigh(a: np.ndarray, w, v, dtype) -> None:
+    """Eigenvalues against LAPACK; eigenvectors by residual and orthogonality relative to the norm of ``a``
+    (Jacobi's rotations accumulate rounding over sweeps x steps, so elementwise vector comparison is not stable)."""
+    w, v = np.asarray(w), np.asarray(v)
+    rtol = sx.testing.tolerance(dtype, kind="linalg")["rtol"]
+    norm = np.linalg.norm(a, 2)
+    assert np.max(np.abs(w - np.linalg.eigvalsh(a))) < 10 * rtol * norm
+    assert np.all(np.diff(w) >= 0)
+    assert np.linalg.norm(a @ v - v * w) < 10 * rtol * norm * np.sqrt(len(a))
+    assert np.max(np.abs(v.conj().T @ v - np.eye(len(a)))) < 10 * rtol
+
+
+def first_bad_minor(a: np.ndarray) -> int:
+    for k in range(1, len(a) + 1):
+        try:
+            np.linalg.cholesky(a[:k, :k])
+        except np.linalg.LinAlgError:
+            return k
+    return 0
+
+
+def test_potrs_every_mesh(mesh):
+    n, dtype = 40, np.float32
+    a, b = hpd(n, dtype), rhs(n, 2, dtype)
+    bd = put(b, mesh, "rows")
+    x, logdet, status = sx.linalg.potrs(put(a, mesh, "cols"), bd, tile=3, return_logdet=True, return_status=True)
+    close(x, sl.cho_solve(sl.cho_factor(a), b), dtype)
+    close(logdet, np.linalg.slogdet(a.astype(np.float64))[1], dtype)
+    assert int(status) == 0
+    assert x.sharding == bd.sharding
+
+
+@pytest.mark.parametrize(("shape", "layout", "n", "tile"), [
+    ((4,), "rows", 64, 1),
+    ((4,), "cols", 1000, 256),
+    ((2, 2), "2d", 60, 3),
+    ((2, 4), "cols", 1000, 64),
+    ((2, 4), "2d", 96, 256),
+    ((2, 4), "replicated", 997, 256),
+])
+def test_potrs_layouts_and_tiles(shape, layout, n, tile):
+    mesh = make_mesh(shape)
+    a, b = hpd(n, np.float32, seed=n), rhs(n, 3, np.float32)
+    x, status = sx.linalg.potrs(put(a, mesh, layout), jnp.asarray(b), tile=tile, return_status=True)
+    close(x, sl.cho_solve(sl.cho_factor(a), b), np.float32)
+    assert int(status) == 0
+
+
+@pytest.mark.parametrize("shape", [(1,), (8,), (2, 4)])
+def test_potrf_potri(shape):
+    mesh = make_mesh(shape)
+    a = hpd(48, np.float32, seed=3)
+    ad = put(a, mesh, "rows")
+    factor, status = sx.linalg.potrf(ad, tile=5, return_status=True)
+    close(factor, np.linalg.cholesky(a), np.float32)
+    assert int(status) == 0 and factor.sharding == ad.sharding
+    inverse = sx.linalg.potri(ad, tile=5)
+    close(inverse, np.linalg.inv(a), np.float32, scale=3.0)
+    assert inverse.sharding == ad.sharding
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.complex64, np.complex128])
+def test_dtypes(dtype):
+    mesh = make_mesh((2, 2))
+    n = 36
+    with jax.enable_x64(True):
+        a, b = hpd(n, dtype, seed=4), rhs(n, 2, dtype)
+        ad = put(a, mesh, "2d")
+        x, logdet = sx.linalg.potrs(ad, jnp.asarray(b), tile=4, return_logdet=True)
+        assert x.dtype == dtype
+        close(x, sl.cho_solve(sl.cho_factor(a), b), dtype)
+        close(logdet, np.linalg.slogdet(a)[1], dtype)
+        close(sx.linalg.potrf(ad, tile=4), np.linalg.cholesky(a), dtype)
+        close(sx.linalg.potri(ad, tile=4), np.linalg.inv(a), dtype, scale=3.0)
+        w, v = sx.linalg.syevd(ad)
+        check_eigh(a, w, v, dtype)
+
+
+def test_ill_conditioned_f64():
+    mesh = make_mesh((2, 4))
+    n, cond = 80, 1e8
+    with jax.enable_x64(True):
+        a, b = hpd(n, np.float64, seed=5, cond=cond), rhs(n, 1, np.float64)
+        x = np.asarray(sx.linalg.potrs(put(a, mesh, "cols"), jnp.asarray(b), tile=7))
+    eps = np.finfo(np.float64).eps
+    residual = np.linalg.norm(a @ x - b) / (np.linalg.norm(a, 2) * np.linalg.norm(x))
+    assert residual < 100 * n * eps
+    reference = sl.cho_solve(sl.cho_factor(a), b)
+    assert np.linalg.norm(x - reference) / np.linalg.norm(reference) < 100 * cond * eps
+
+
+def test_vector_and_many_rhs():
+    mesh = make_mesh((4,))
+    n = 32
+    a = hpd(n, np.float32, seed=6)
+    ad = put(a, mesh, "rows")
+    for k in (None, 17):
+        b = rhs(n, k, np.float32)
+        x = sx.linalg.potrs(ad, jnp.asarray(b), tile=4)
+        assert x.shape == b.shape
+        close(x, np.linalg.solve(a, b), np.float32)
+
+
+@pytest.mark.parametrize("bad", [1, 13, 32])
+def test_not_positive_definite(bad):
+    mesh = make_mesh((2, 2))
+    n = 32
+    a = hpd(n, np.float32, seed=7)
+    a[bad - 1, bad - 1] = -1.0
+    expected = first_bad_minor(a)
+    assert expected == bad
+    ad, b = put(a, mesh, "cols"), jnp.ones(n, jnp.float32)
+    x, logdet, status = sx.linalg.potrs(ad, b, tile=3, return_logdet=True, return_status=True)
+    assert int(status) == expected
+    assert np.isnan(np.asarray(x)).all() and np.isnan(float(logdet))
+    factor, status = sx.linalg.potrf(ad, tile=3, return_status=True)
+    assert int(status) == expected and np.isnan(np.asarray(factor)).all()
+    inverse, status = sx.linalg.potri(ad, tile=3, return_status=True)
+    assert int(status) == expected and np.isnan(np.asarray(inverse)).all()
+
+
+def test_only_lower_triangle_is_read():
+    mesh = make_mesh((4,))
+    n = 24
+    a = hpd(n, np.float32, seed=8)
+    garbage = np.tril(a) + np.triu(np.full((n, n), 7.0, np.float32), 1)
+    b = jnp.ones((n, 1), jnp.float32)
+    close(sx.linalg.potrs(put(garbage, mesh, "cols"), b, tile=4), np.linalg.solve(a, np.ones((n, 1))), np.float32)
+    close(sx.linalg.syevd(put(garbage, mesh, "cols"), return_eigenvectors=False), np.linalg.eigvalsh(a),
+          np.float32, scale=10.0)
+
+
+def test_jaxmg_positional_call():
+    mesh = make_mesh((2, 4))
+    n = 32
+    a, b = hpd(n, np.float32, seed=9), rhs(n, 1, np.float32)
+    reference = np.linalg.solve(a, b)
+    x = sx.linalg.potrs(a, b, 4, mesh, (P(None, ("x", "y")), P(None, None)))
+    close(x, reference, np.float32)
+    x, status = sx.linalg.potrs(jnp.asarray(a), jnp.asarray(b), T_A=256, mesh=mesh,
+                                in_specs=(P(None, "T"), P(None, None)), return_status=True)
+    close(x, reference, np.float32)
+    assert int(status) == 0
+
+
+@pytest.mark.parametrize(("call", "error", "match"), [
+    (lambda a, b: sx.linalg.potrs(a[:, :5], b), ValueError, "square"),
+    (lambda a, b: sx.linalg.potrs(a, b[:5]), ValueError, "b must have shape"),
+    (lambda a, b: sx.linalg.potrs(a, b.astype(jnp.int32)), TypeError, "b has dtype"),
+    (lambda a, b: sx.linalg.potrs(a.astype(jnp.int32), b), TypeError, "a has dtype int32"),
+    (lambda a, b: sx.linalg.potrs(a, b, tile=0), ValueError, "tile must be a positive int"),
+    (lambda a, b: sx.linalg.potrs(a, b, tile=2.5), TypeError, "tile must be a positive int"),
+    (lambda a, b: sx.linalg.potrs(a, b, 8, tile=4), ValueError, "T_A=8 and tile=4 disagree"),
+    (lambda a, b: sx.linalg.potrs(a, b, in_specs=P()), TypeError, "in_specs must be a pair"),
+    (lambda a, b: sx.linalg.potrs(a, b, mesh="x"), TypeError, "mesh must be"),
+    (lambda a, b: sx.linalg.potrs(a, b, return_status=1), TypeError, "return_status must be True or False"),
+    (lambda a, b: sx.linalg.potrf(a, tile=True), TypeError, "tile must be a positive int"),
+    (lambda a, b: sx.linalg.potri(a[None]), ValueError, "square"),
+    (lambda a, b: sx.linalg.syevd(a, max_sweeps=0), ValueError, "max_sweeps"),
+    (lambda a, b: sx.linalg.syevd([[1.0]]), TypeError, "jax.Array or numpy array"),
+])
+def test_errors(call, error, match):
+    a, b = jnp.eye(8, dtype=jnp.float32), jnp.ones(8, jnp.float32)
+    with pytest.raises(error, match=match):
+        call(a, b)
+
+
+@pytest.mark.parametrize(("shape", "dtype"), [((1,), np.float64), ((2, 2), np.float64), ((4,), np.complex128)])
+def test_gradients(shape, dtype):
+    mesh = make_mesh(shape)
+    n = 12
+    with jax.enable_x64(True):
+        a, b = jnp.asarray(hpd(n, dtype, seed=10)), jnp.asarray(rhs(n, 2, dtype))
+        check_grads(lambda a, b: sx.linalg.potrs(a, b, tile=3, mesh=mesh), (a, b), order=1, modes=["rev"])
+        check_grads(lambda a: sx.linalg.potrs(a, b, tile=3, mesh=mesh, return_logdet=True)[1], (a,), order=1,
+                    modes=["rev"])
+
+
+def test_local_view_runs_without_mesh():
+    n = 20
+    a, b = hpd(n, np.float32, seed=11), rhs(n, 2, np.float32)
+    layout = BlockCyclic.create(n, 6, 1)
+    cyclic = to_cyclic(jnp.asarray(a), layout)
+    padded_b = jnp.pad(jnp.asarray(b), ((0, layout.padded - n), (0, 0)))
+    x, logdet, info = solve_local(cyclic, padded_b, layout, True)
+    close(x[:n], np.linalg.solve(a, b), np.float32)
+    close(logdet, np.linalg.slogdet(a)[1], np.float32)
+    factor, info = potrf_local(cyclic, layout)
+    close(from_cyclic(factor, layout), np.linalg.cholesky(a), np.float32)
+    w, _, sweeps, converged = jacobi_eigh_local(jnp.asarray(a), 5)
+    assert bool(converged) and int(sweeps) == 1 and int(info) == 0
+    close(jnp.sort(w), np.linalg.eigvalsh(a), np.float32, scale=10.0)
+
+
+@pytest.mark.parametrize(("shape", "layout", "n"), [((1,), "cols", 40), ((4,), "rows", 40), ((2, 4), "2d", 40),
+                                                     ((2, 4), "replicated", 37)])
+def test_syevd(shape, layout, n):
+    mesh = make_mesh(shape)
+    rng = np.random.default_rng(n)
+    m = rng.standard_normal((n, n)).astype(np.float32)
+    a = (m + m.T) / 2
+    ad = put(a, mesh, layout)
+    w, v, status = sx.linalg.syevd(ad, return_status=True)
+    assert int(status) == 0
+    check_eigh(a, w, v, np.float32)
+    assert v.shape == (n, n) and (layout == "replicated" or v.sharding == ad.sharding)
+
+
+def test_syevd_degenerate_spectrum():
+    mesh = make_mesh((2, 2))
+    n = 32
+    u = rhs(n, None, np.float32, seed=12)
+    a = np.eye(n, dtype=np.float32) * 2 + np.outer(u, u) / n
+    w, v = sx.linalg.syevd(put(a, mesh, "cols"))
+    check_eigh(a, w, v, np.float32)
