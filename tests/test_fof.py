@@ -9,7 +9,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import shardax as sx
 from conftest import make_mesh
+from shardax.particles import Particles
+from shardax.spatial._fof import fof
 from test_fof_multiprocess import (
     MIN_MEMBERS,
     compare_catalogues,
@@ -19,10 +23,6 @@ from test_fof_multiprocess import (
     reference_labels,
     uniform_open_2d,
 )
-
-import shardax as sx
-from shardax.particles import Particles
-from shardax.spatial._fof import fof
 
 
 def _local(data: dict, **kw) -> tuple[np.ndarray, dict[str, np.ndarray]]:

@@ -22,6 +22,7 @@ class Snapshot(NamedTuple):
         box: `(3,)` NumPy periodic box size (``Header/BoxSize``).
         particle_ids: this process's slice of ``ParticleIDs`` (rows ``start:start + count`` of the file).
         start: first file row read by this process.
+        total: number of particles in the file.
         header: the ``Header`` attributes as NumPy values.
     """
 
@@ -29,6 +30,7 @@ class Snapshot(NamedTuple):
     box: np.ndarray
     particle_ids: np.ndarray
     start: int
+    total: int
     header: dict[str, Any]
 
 
@@ -106,7 +108,7 @@ def read_snapshot(path: str | os.PathLike[str], *, mesh: Mesh | None = None, par
     if not np.all(np.isfinite(pos)):
         raise ValueError(f"{path}: {group_name}/Coordinates has NaN or infinite values")
     part = from_numpy(pos, mesh=mesh, capacity_factor=capacity_factor, **fields)
-    return Snapshot(part, box, particle_ids, start, header)
+    return Snapshot(part, box, particle_ids, start, total, header)
 
 
 def write_snapshot(path: str | os.PathLike[str], pos: np.ndarray, *, box: float, vel: np.ndarray | None = None,

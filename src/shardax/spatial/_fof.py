@@ -27,7 +27,7 @@ from ..particles._particles import check_positions
 from ..particles._zsort import sort_particles
 from ._catalogue import Catalogue, Partial, finish, partial_sums
 from ._fof_halo import INT_MAX, boundary_totals, exchange_ghosts, merge_labels, segment_min_labels
-from ._fof_local import Tuning, components, find_links, link_grid, sort_points
+from ._fof_local import DEFAULT_TUNING, Tuning, components, find_links, link_grid, sort_points
 from ._grid import open_domain, periodic_domain
 
 _CAPACITIES = ("edge_capacity", "halo_capacity", "max_groups", "capacity")
@@ -78,7 +78,8 @@ def _box_vector(box: Any, dim: int, dtype: Any) -> jax.Array | None:
     if isinstance(box, bool) or not isinstance(box, int | float | tuple | list | jax.Array | np.ndarray | np.generic):
         raise TypeError(f"box must be None, a positive number or a sequence of {dim} numbers, got "
                         f"{type(box).__name__}")
-    vec = jnp.broadcast_to(jnp.asarray(box, dtype), (dim,)) if jnp.ndim(box) == 0 else jnp.asarray(box, dtype)
+    vec = jnp.asarray(box, dtype)
+    vec = jnp.broadcast_to(vec, (dim,)) if vec.ndim == 0 else vec
     if vec.shape != (dim,):
         raise ValueError(f"box must be a scalar or have {dim} entries (one per axis), got shape {vec.shape}")
     if not isinstance(vec, Tracer) and not bool(jnp.all(vec > 0)):
@@ -102,7 +103,7 @@ def _check_linking_length(linking_length: Any, box: jax.Array | None, dtype: Any
 
 def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_members: int = 20,
         max_groups: int | None = None, edge_capacity: int | None = None, halo_capacity: int | None = None,
-        tuning: Tuning = Tuning()) -> FofResult:
+        tuning: Tuning = DEFAULT_TUNING) -> FofResult:
     """Friends-of-friends groups of a particle set (local view; ``fof.smap()`` for global arrays).
 
     Two particles closer than (or exactly at) ``linking_length`` are friends; groups are the transitive closure.
@@ -140,8 +141,7 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
             res = fof.smap()(part, 0.2 * spacing, box=1.0, **{err.argument: err.needed * 5 // 4})
     """
     n, dim = check_positions(part, "fof")
-    min_members = _positive_int(min_members, "min_members")
-    assert min_members is not None
+    _positive_int(min_members, "min_members")
     pos = jnp.asarray(part.pos)
     dtype = pos.dtype
     boxv = _box_vector(box, dim, dtype)
@@ -257,7 +257,7 @@ def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., 
 
     def call(part: Any, linking_length: float, *, box: Any = None, min_members: int = 20,
              max_groups: int | None = None, edge_capacity: int | None = None, halo_capacity: int | None = None,
-             tuning: Tuning = Tuning()) -> FofResult:
+             tuning: Tuning = DEFAULT_TUNING) -> FofResult:
         if getattr(part, "pos", None) is None or not hasattr(part, "num") or jnp.ndim(part.pos) != 3:
             raise ValueError("fof.smap: part must be a global particle pytree with pos of shape (ndev, n, d) "
                              "(e.g. from shardax.particles.from_numpy); call fof() for the local view")

@@ -49,6 +49,9 @@ class Tuning(NamedTuple):
     tile_edges: int = 512  # pairs compacted per step (a tile with more takes several steps)
 
 
+DEFAULT_TUNING = Tuning()
+
+
 class Links(NamedTuple):
     """Pairs found by :func:`find_links` in sorted-row numbering."""
 
@@ -161,7 +164,7 @@ def _candidate_runs(keys: jax.Array, first: jax.Array, x0: jax.Array, x1: jax.Ar
 
 
 def find_links(points: SortedPoints, num: jax.Array, linking_length: jax.Array, domain: Domain, grid: Grid, *,
-               edge_capacity: int, tuning: Tuning = Tuning()) -> Links:
+               edge_capacity: int, tuning: Tuning = DEFAULT_TUNING) -> Links:
     """All pairs of the first ``num`` sorted points closer than (or at) the linking length, each pair at least once.
 
     Args:
@@ -176,7 +179,7 @@ def find_links(points: SortedPoints, num: jax.Array, linking_length: jax.Array, 
     Returns:
         :class:`Links` in sorted-row numbering; ``num_edges > edge_capacity`` means pairs were lost.
     """
-    n, dim = points.pos.shape
+    n = points.pos.shape[0]
     block, capacity, batch = tuning.block, tuning.capacity, tuning.batch
     ll2 = (linking_length * linking_length).astype(points.pos.dtype)
     idx = jnp.arange(n, dtype=jnp.int32)
