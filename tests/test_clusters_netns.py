@@ -97,7 +97,7 @@ def test_two_hosts_pipeline_clean_then_delay_and_loss(reference: dict[str, np.nd
         before = _link_bytes(cluster)
         switcher = threading.Thread(target=faults_on_between_phases, daemon=True)
         switcher.start()
-        runs = cluster.launch([sys.executable, pipeline.__file__, "--out", str(out), "--repeats", "2",
+        runs = cluster.launch([sys.executable, pipeline.__file__, "--out", str(out), "--repeats", "1",
                                "--phases", "2", "--sync-dir", str(tmp_path)], cpu_devices=4, timeout_s=300,
                               grace_s=5)
         crossed = _link_bytes(cluster) - before

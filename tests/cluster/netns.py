@@ -140,6 +140,18 @@ class VirtualCluster:
         self.fault_method[ns] = "NFQUEUE (nfdelay.py): this kernel has no sch_netem"
         return self.fault_method[ns]
 
+    def clear(self, host: int) -> None:
+        """Remove the delay and loss that :meth:`impair` added to ``host``."""
+        ns = self.hosts[host]
+        method = self.fault_method.pop(ns, None)
+        if method == "tc netem":
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", "eth0", "root", check=False)
+        elif method is not None:
+            _sh("ip", "netns", "exec", ns, "iptables", "-F", "OUTPUT", check=False)
+            helper = self._helpers.pop(ns)
+            helper.terminate()
+            helper.communicate(timeout=10)
+
     def link_down(self, host: int) -> None:
         """Take ``host``'s link to the bridge down (packets to and from it are lost from now on)."""
         _sh("ip", "link", "set", self.links[host], "down")
