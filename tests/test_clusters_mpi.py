@@ -60,7 +60,7 @@ def mpirun(binary: str, n: int, devices: int, *extra: str) -> tuple[int, str]:
 
 
 @pytest.mark.skipif(not HAVE4, reason="Open MPI 4's mpirun is not on PATH (apt-get install openmpi-bin)")
-@pytest.mark.parametrize(("n", "devices"), [(4, 1)])  # -n 2 runs in test_testing (launcher="mpirun")
+@pytest.mark.parametrize(("n", "devices"), [(2, 2), (4, 1)])
 def test_openmpi4_mpirun(n: int, devices: int) -> None:
     assert MPIRUN4 is not None
     code, out = mpirun(MPIRUN4, n, devices, "--mca", "oob_tcp_if_include", "lo")  # keep ORTE on loopback
