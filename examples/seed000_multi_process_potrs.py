@@ -31,7 +31,7 @@ b = jax.device_put(jnp.ones((ndev, 1), dtype=jnp.float32), NamedSharding(mesh2d,
 out = sx.linalg.potrs(A, b, 256, mesh2d, (P(None, "T"), P(None, None)))  # jaxmg: potrs(A, b, T_A, mesh, in_specs)
 x = np.asarray(out.addressable_data(0))[:, 0]
 expected = 1.0 / np.arange(1, ndev + 1)
-print(f"x = {np.round(x, 4).tolist()}")
+print(f"x = {[round(float(v), 4) for v in x]}")
 assert np.allclose(x, expected, rtol=1e-5), (x, expected)
 
 x, logdet, status = sx.linalg.potrs(A, b, T_A=256, mesh=mesh2d, return_logdet=True, return_status=True)
