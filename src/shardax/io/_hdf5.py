@@ -112,27 +112,38 @@ def write(path: str | os.PathLike[str], tree: Any, *, per_rank: bool = False) ->
     if per_rank:
         return _write_per_rank(path, leaves, shapes, dtypes, me, count)
     tmp = f"{path}.partial"
-    for rank in range(count):
-        if rank == me:
-            with _open(tmp, "w" if rank == 0 else "r+") as f:
-                if rank == 0:
-                    f.attrs["format"] = FORMAT
-                    f.attrs[COMPLETE] = False
-                    for name in shapes:
-                        f.create_dataset(name, shape=shapes[name], dtype=dtypes[name])
-                for name, leaf in leaves:
-                    for start, block in _pieces(name, leaf):
-                        if block.ndim == 0:
-                            f[name][()] = block
-                        else:
-                            f[name][start:start + block.shape[0]] = block
-                if rank == count - 1:
-                    f.attrs[COMPLETE] = True
-        _sync(f"write-{rank}")
-    if me == 0:
-        os.replace(tmp, path)
+    try:
+        for rank in range(count):
+            if rank == me:
+                _write_shared_part(tmp, leaves, shapes, dtypes, first=rank == 0, last=rank == count - 1)
+            _sync(f"write-{rank}")
+        if me == 0:
+            os.replace(tmp, path)
+    except BaseException:
+        if me == 0 and os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     _sync("write-done")
     return [path]
+
+
+def _write_shared_part(tmp: str, leaves: list[tuple[str, Any]], shapes: dict[str, tuple[int, ...]],
+                       dtypes: dict[str, np.dtype], *, first: bool, last: bool) -> None:
+    """This process's rows of the shared file (the first process creates the datasets, the last marks it done)."""
+    with _open(tmp, "w" if first else "r+") as f:
+        if first:
+            f.attrs["format"] = FORMAT
+            f.attrs[COMPLETE] = False
+            for name in shapes:
+                f.create_dataset(name, shape=shapes[name], dtype=dtypes[name])
+        for name, leaf in leaves:
+            for start, block in _pieces(name, leaf):
+                if block.ndim == 0:
+                    f[name][()] = block
+                else:
+                    f[name][start:start + block.shape[0]] = block
+        if last:
+            f.attrs[COMPLETE] = True
 
 
 def _rank_file(path: str, rank: int) -> str:

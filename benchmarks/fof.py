@@ -1,0 +1,178 @@
+"""Friends-of-friends benchmark: shardax vs cKDTree.query_pairs + connected_components (and pyfof if installed).
+
+Side by side in one run (robust to a shared machine): uniform float32 points in the periodic unit box, linking
+lengths b = 0.2 and 0.7 of the mean spacing, on one device, on 8 devices of this process, and (``--processes 2``)
+on 2 processes x 4 devices launched through ``shardax launch``. Also reports the boundary particles each device
+exchanges at two sizes: they grow like the surface of a device's piece (``N**(2/3)``), not like its volume.
+
+    python benchmarks/fof.py --n 1000000 --repeat 3 --processes 2
+
+Medians of ``--repeat`` timed calls after one warm-up (compilation) call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+
+import numpy as np
+
+
+def _median_time(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def scipy_fof(pos: np.ndarray, linking_length: float) -> np.ndarray:
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+    from scipy.spatial import cKDTree
+
+    pairs = cKDTree(pos, boxsize=1.0).query_pairs(linking_length, output_type="ndarray")
+    n = len(pos)
+    graph = coo_matrix((np.ones(len(pairs), np.int8), (pairs[:, 0], pairs[:, 1])), shape=(n, n))
+    return connected_components(graph, directed=False)[1]
+
+
+def shardax_fof(pos: np.ndarray, linking_length: float, ndev: int):
+    """A timed callable running ``fof.smap`` on ``ndev`` devices (all of them when ``ndev`` is 0), and its result."""
+    import jax
+    from jax.sharding import Mesh
+
+    import shardax as sx
+    from shardax.spatial._fof import fof
+
+    devices = jax.devices() if ndev == 0 else jax.devices()[:ndev]
+    mesh = Mesh(np.array(devices), ("d",))
+    me, nproc = jax.process_index(), jax.process_count()
+    rows = np.array_split(np.arange(len(pos)), nproc)[me]
+    part = sx.particles.from_numpy(pos[rows], mesh=mesh)
+    options: dict = {}
+    for _ in range(4):
+        try:
+            res = fof.smap(mesh)(part, linking_length, box=1.0, min_members=2, **options)
+            break
+        except sx.CapacityError as err:
+            options[err.argument] = err.needed
+
+    def run():
+        out = fof.smap(mesh)(part, linking_length, box=1.0, min_members=2, **options)
+        jax.block_until_ready(out.labels)
+        return out
+
+    return run, res
+
+
+def _ghost_rows(res) -> float:
+    from jax.experimental import multihost_utils
+
+    needed = res.needed
+    if not needed.is_fully_addressable:
+        needed = multihost_utils.process_allgather(needed, tiled=True)
+    return float(np.mean(np.asarray(needed)[:, 1]))
+
+
+def worker(n: int, repeat: int, bs: list[float]) -> dict:
+    """Timings on all devices of this run (used on its own by the multi-process launch)."""
+    import jax
+
+    import shardax as sx
+
+    sx.initialize()
+    pos = np.random.default_rng(0).random((n, 3)).astype(np.float32)
+    out = {}
+    for b in bs:
+        run, res = shardax_fof(pos, b / n ** (1 / 3), 0)
+        out[f"b={b}"] = {"time": _median_time(run, repeat), "ghost_rows": _ghost_rows(res),
+                         "devices": jax.device_count()}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=1_000_000)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--b", default="0.2,0.7", help="linking lengths in mean spacings (comma separated)")
+    parser.add_argument("--processes", type=int, default=0, help="also run on this many processes x 4 devices")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    ns = parser.parse_args()
+    bs = [float(b) for b in ns.b.split(",")]
+    if ns.worker:
+        result = worker(ns.n, ns.repeat, bs)
+        import jax
+
+        if jax.process_index() == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+        return
+
+    import jax
+
+    pos = np.random.default_rng(0).random((ns.n, 3)).astype(np.float32)
+    results: dict = {"n": ns.n, "cases": {}}
+    for b in bs:
+        ll = b / ns.n ** (1 / 3)
+        case: dict = {}
+        reference = scipy_fof(pos.astype(np.float64), ll)
+        case["scipy"] = _median_time(lambda ll=ll: scipy_fof(pos.astype(np.float64), ll), ns.repeat)
+        try:
+            import pyfof
+
+            case["pyfof"] = _median_time(lambda ll=ll: pyfof.friends_of_friends(pos.astype(np.float64), ll),
+                                         ns.repeat)
+        except ImportError:
+            pass
+        for ndev in (1, 8):
+            run, res = shardax_fof(pos, ll, ndev)
+            groups = int((np.bincount(reference) >= 2).sum())
+            case[f"shardax {ndev} dev"] = _median_time(run, ns.repeat)
+            case[f"ghost rows/dev {ndev}"] = _ghost_rows(res)
+            got = int(np.asarray(res.catalogue.num).sum())
+            if got != groups:
+                raise AssertionError(f"b={b}, {ndev} devices: {got} groups, the reference has {groups}")
+        if ns.processes:
+            from shardax.testing import launch_script
+
+            launched = launch_script(__file__, "--worker", "--n", str(ns.n), "--repeat", str(ns.repeat), "--b",
+                                     str(b), num_processes=ns.processes, cpu_devices=4, timeout_s=3000)
+            lines = [x for x in launched.output.splitlines() if "RESULT " in x]
+            if launched.returncode != 0 or not lines:
+                raise RuntimeError(f"multi-process run failed:\n{launched.output[-3000:]}")
+            mp = json.loads(lines[0].split("RESULT ", 1)[1])[f"b={b}"]
+            case[f"shardax {ns.processes}x4"] = mp["time"]
+            case[f"ghost rows/dev {ns.processes}x4"] = mp["ghost_rows"]
+        results["cases"][f"b={b}"] = case
+        single = case["shardax 1 dev"]
+        print(f"b={b}: " + ", ".join(f"{k} {v:.3f}{'' if 'ghost' in k else ' s'}" for k, v in case.items())
+              + f" | 1 dev / scipy = {single / case['scipy']:.2f}x, 8 dev / 1 dev = "
+              f"{case['shardax 8 dev'] / single:.2f}x", flush=True)
+    # Surface scaling of the exchange: ghost rows per device at n / 8 and n, on 8 devices.
+    small = max(ns.n // 8, 1000)
+    pos_small = np.random.default_rng(1).random((small, 3)).astype(np.float32)
+    _, res_small = shardax_fof(pos_small, 0.2 / small ** (1 / 3), 8)
+    _, res_big = shardax_fof(pos, 0.2 / ns.n ** (1 / 3), 8)
+    g_small, g_big = _ghost_rows(res_small), _ghost_rows(res_big)
+    ratio = g_big / max(g_small, 1)
+    results["surface"] = {"n_small": small, "ghost_rows_small": g_small, "ghost_rows_big": g_big, "ratio": ratio,
+                          "volume_ratio": ns.n / small, "surface_ratio": (ns.n / small) ** (2 / 3)}
+    print(f"ghost rows per device (8 devices, b=0.2): {g_small:.0f} at n={small}, {g_big:.0f} at n={ns.n}: "
+          f"x{ratio:.2f} for x{ns.n / small:.0f} particles (surface law x{(ns.n / small) ** (2 / 3):.2f}); "
+          f"{24 * g_big / 2**20:.2f} MiB per device per exchange of positions", flush=True)
+    print(f"devices: {jax.device_count()} ({jax.devices()[0].platform})")
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(results, f, indent=1)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""sx.io: pytrees to HDF5 and back (shared file and per-rank files), Gadget-style snapshots, bad files.
+
+The multi-process writes (2 processes writing one shared file in rank order, and one file each) are checked in
+tests/test_fof_multiprocess.py, in the same launch as FoF.
+"""
+
+from __future__ import annotations
+
+import os
+
+import h5py
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import shardax as sx
+from conftest import make_mesh
+from shardax.particles import Particles
+from shardax.spatial._catalogue import Catalogue
+
+
+def _particles(mesh_shape: tuple[int, ...] = (4,)) -> Particles:
+    rng = np.random.default_rng(2)
+    pos = rng.random((50, 3)).astype(np.float32)
+    return sx.particles.from_numpy(pos, mesh=make_mesh(mesh_shape), vel=rng.standard_normal((50, 3)),
+                                   mass=rng.random(50))
+
+
+@pytest.mark.parametrize("per_rank", [False, True])
+def test_round_trip_particles(tmp_path, per_rank: bool) -> None:
+    part = _particles()
+    path = str(tmp_path / "part.h5")
+    files = sx.io.write(path, part, per_rank=per_rank)
+    assert files[0] == path and all(os.path.exists(f) for f in files)
+    assert len(files) == (2 if per_rank else 1)
+    back = sx.io.read(path, like=part)
+    assert isinstance(back, Particles)
+    for name in ("pos", "num", "mass", "vel", "ids"):
+        np.testing.assert_array_equal(getattr(back, name), np.asarray(getattr(part, name)), err_msg=name)
+    flat = sx.io.read(path)
+    assert set(flat) == {"pos", "num", "mass", "vel", "ids"}
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".partial")]
+
+
+def test_round_trip_nested_tree_and_catalogue(tmp_path) -> None:
+    cat = Catalogue(num=jnp.int32(2), count=jnp.array([5, 3], jnp.int32), mass=jnp.array([5.0, 3.0]),
+                    com=jnp.ones((2, 3)), vel=jnp.zeros((2, 3)), radius=jnp.array([0.1, 0.2]),
+                    label=jnp.array([0, 7], jnp.int32))
+    tree = {"catalogue": cat, "meta": {"box": np.float64(2.5), "step": np.arange(3)}}
+    path = tmp_path / "tree.h5"
+    sx.io.write(path, tree)
+    back = sx.io.read(path, like=tree)
+    assert isinstance(back["catalogue"], Catalogue)
+    np.testing.assert_array_equal(back["catalogue"].label, [0, 7])
+    assert float(back["meta"]["box"]) == 2.5
+    nested = sx.io.read(path)
+    np.testing.assert_array_equal(nested["catalogue"]["radius"], np.asarray(cat.radius))
+    assert back["catalogue"].to_numpy()["count"].tolist() == [5, 3]
+
+
+def test_incomplete_truncated_and_mismatched_files(tmp_path) -> None:
+    part = _particles((2,))
+    good = str(tmp_path / "good.h5")
+    sx.io.write(good, part)
+    data = (tmp_path / "good.h5").read_bytes()
+    truncated = tmp_path / "truncated.h5"
+    truncated.write_bytes(data[: len(data) // 3])
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        sx.io.read(truncated)
+    garbage = tmp_path / "garbage.h5"
+    garbage.write_bytes(b"not an hdf5 file at all" * 10)
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        sx.io.read(garbage)
+    # A write that stopped midway: the complete flag was never set.
+    unfinished = str(tmp_path / "unfinished.h5")
+    with h5py.File(unfinished, "w") as f:
+        f.attrs["format"] = "shardax-pytree-1"
+        f.attrs["shardax_complete"] = False
+        f.create_dataset("pos", data=np.zeros((2, 3)))
+    with pytest.raises(ValueError, match="incomplete"):
+        sx.io.read(unfinished)
+    with h5py.File(tmp_path / "foreign.h5", "w") as f:
+        f.create_dataset("x", data=np.zeros(3))
+    with pytest.raises(ValueError, match="not written by shardax"):
+        sx.io.read(tmp_path / "foreign.h5")
+    with pytest.raises(ValueError, match="does not match the structure"):
+        sx.io.read(good, like={"pos": 1})
+    with pytest.raises(FileNotFoundError):
+        sx.io.read(tmp_path / "missing.h5")
+    # Per-rank: a missing rank file is an error, not a silently short array.
+    ranked = str(tmp_path / "ranked.h5")
+    files = sx.io.write(ranked, part, per_rank=True)
+    os.remove(files[1])
+    with pytest.raises(ValueError, match="missing"):
+        sx.io.read(ranked)
+
+
+def test_failed_write_leaves_no_complete_file(tmp_path) -> None:
+    class Boom:
+        def __array__(self, dtype=None, copy=None):
+            raise RuntimeError("disk full")
+
+        shape = (3,)
+        dtype = np.dtype(np.float32)
+
+    path = tmp_path / "out.h5"
+    with pytest.raises(ValueError, match="no array leaves"):
+        sx.io.write(path, {})
+    with pytest.raises(RuntimeError, match="disk full"):
+        sx.io.write(path, {"a": np.arange(3.0), "z": Boom()})
+    assert not path.exists() and not os.listdir(tmp_path)
+
+
+def test_snapshot_round_trip_and_slices(tmp_path) -> None:
+    rng = np.random.default_rng(9)
+    pos = rng.random((300, 3)) * 50.0
+    vel = rng.standard_normal((300, 3))
+    path = tmp_path / "snap.hdf5"
+    sx.io.write_snapshot(path, pos, box=50.0, vel=vel, mass=0.25)
+    snap = sx.io.read_snapshot(path, mesh=make_mesh((4,)))
+    assert snap.total == 300 and snap.start == 0
+    np.testing.assert_array_equal(snap.box, [50.0, 50.0, 50.0])
+    flat = sx.particles.squeeze(snap.part)
+    np.testing.assert_allclose(flat["pos"], pos.astype(np.float32))
+    np.testing.assert_allclose(flat["vel"], vel.astype(np.float32))
+    np.testing.assert_array_equal(flat["ids"], np.arange(300))
+    np.testing.assert_allclose(flat["mass"], 0.25)
+    np.testing.assert_array_equal(snap.particle_ids, np.arange(1, 301))
+
+
+def test_bad_snapshots(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError):
+        sx.io.read_snapshot(tmp_path / "none.hdf5")
+    no_header = tmp_path / "no_header.hdf5"
+    with h5py.File(no_header, "w") as f:
+        f.create_dataset("PartType1/Coordinates", data=np.zeros((4, 3)))
+    with pytest.raises(ValueError, match="BoxSize"):
+        sx.io.read_snapshot(no_header)
+    wrong = tmp_path / "wrong.hdf5"
+    sx.io.write_snapshot(wrong, np.zeros((4, 3)), box=1.0)
+    with h5py.File(wrong, "r+") as f:
+        del f["PartType1/Velocities"]
+        f.create_dataset("PartType1/Velocities", data=np.zeros((3, 3)))
+    with pytest.raises(ValueError, match="Velocities must have shape"):
+        sx.io.read_snapshot(wrong)
+    flat = tmp_path / "flat.hdf5"
+    sx.io.write_snapshot(flat, np.zeros((4, 3)), box=1.0)
+    with h5py.File(flat, "r+") as f:
+        del f["PartType1/Coordinates"]
+        f.create_dataset("PartType1/Coordinates", data=np.zeros((4, 2)))
+    with pytest.raises(ValueError, match=r"shape \(N, 3\)"):
+        sx.io.read_snapshot(flat)
+    nan = tmp_path / "nan.hdf5"
+    sx.io.write_snapshot(nan, np.full((4, 3), np.nan), box=1.0)
+    with pytest.raises(ValueError, match="NaN"):
+        sx.io.read_snapshot(nan)
+    cut = tmp_path / "cut.hdf5"
+    sx.io.write_snapshot(cut, np.zeros((2000, 3)), box=1.0)
+    data = cut.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        sx.io.read_snapshot(cut)
