@@ -166,9 +166,9 @@ def knn(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce
     return KnnResult(distances, indices)
 
 
-def _static_box(box: Box) -> Hashable:
+def _static_box(box: Box) -> float | tuple[float, ...] | None:
     if box is None or isinstance(box, int | float):
-        return box
+        return None if box is None else float(box)
     if isinstance(box, tuple | list):
         return tuple(float(b) for b in box)
     return tuple(np.asarray(box, np.float64).reshape(-1).tolist())

@@ -62,13 +62,10 @@ def local_knn(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array, query
         ``(dist2, rows)``: `(m, k)` squared distances (ascending, ties by ``order``) and data row numbers;
         invalid query rows, and neighbours missing when fewer than ``k`` data rows exist, hold ``inf`` and ``-1``.
     """
-    n, dim = pos.shape
+    dim = pos.shape[1]
     m = query_pos.shape[0]
     tuning = _tuning(dim, k)
-    if box is None:
-        domain = open_domain(pos, data_valid)
-    else:
-        domain = periodic_domain(box.astype(pos.dtype))
+    domain = open_domain(pos, data_valid) if box is None else periodic_domain(box.astype(pos.dtype))
     pos = wrap(pos, domain)
     query_pos = wrap(query_pos, domain)
     count = jnp.sum(data_valid, dtype=jnp.int32)

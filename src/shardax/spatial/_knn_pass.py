@@ -37,14 +37,16 @@ def pair_dist2(q: jax.Array, c: jax.Array, domain: Domain) -> jax.Array:
 
     Every code path computes distances with this one function, so equal pairs give bit-equal distances.
     """
-    total = None
-    for axis in range(q.shape[-1]):
+    def axis_dist2(axis: int) -> jax.Array:
         dx = q[..., :, None, axis] - c[..., None, :, axis]
         if domain.periodic:
             box = domain.extent[axis]
             dx = dx - box * jnp.round(dx / box)
-        total = dx * dx if total is None else total + dx * dx
-    assert total is not None
+        return dx * dx
+
+    total = axis_dist2(0)
+    for axis in range(1, q.shape[-1]):
+        total = total + axis_dist2(axis)
     return total
 
 
@@ -72,7 +74,8 @@ def positions_of(mask: jax.Array, size: int, fill: jax.Array | int) -> jax.Array
 
 def _sort_by_key(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
     iota = jnp.arange(keys.shape[0], dtype=jnp.int32)
-    return lax.sort((keys, iota), num_keys=1, is_stable=True)
+    sorted_keys, order = lax.sort((keys, iota), num_keys=1, is_stable=True)
+    return sorted_keys, order
 
 
 def _axis_offsets(reach: int) -> tuple[int, ...]:
