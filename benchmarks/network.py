@@ -49,7 +49,7 @@ def doctor_rows(output: str) -> dict[str, dict[str, str]]:
 
 
 def doctor_loopback(cpu_devices: int, size_mb: float, repeats: int) -> dict[str, dict[str, str]]:
-    done = subprocess.run([sys.executable, "-m", "shardax", "doctor", "--processes", "2", "--cpu-devices",
+    done = subprocess.run([sys.executable, "-m", "shardax.cli", "doctor", "--processes", "2", "--cpu-devices",
                            str(cpu_devices), "--plain", "--size-mb", str(size_mb), "--repeats", str(repeats)],
                           capture_output=True, text=True, timeout=600)
     return doctor_rows(done.stdout + done.stderr)
@@ -57,7 +57,7 @@ def doctor_loopback(cpu_devices: int, size_mb: float, repeats: int) -> dict[str,
 
 def doctor_hosts(cluster: netns.VirtualCluster, cpu_devices: int, size_mb: float, repeats: int,
                  ) -> dict[str, dict[str, str]]:
-    runs = cluster.launch([sys.executable, "-m", "shardax", "doctor", "--plain", "--size-mb", str(size_mb),
+    runs = cluster.launch([sys.executable, "-m", "shardax.cli", "doctor", "--plain", "--size-mb", str(size_mb),
                            "--repeats", str(repeats)], cpu_devices=cpu_devices, timeout_s=600, grace_s=5)
     return doctor_rows(runs[0][1])
 
@@ -112,7 +112,7 @@ def pipeline_phases(cluster: netns.VirtualCluster, cpu_devices: int, repeats: in
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--cpu-devices", type=int, default=4)
     parser.add_argument("--small-mb", type=float, default=1 / 256, help="latency message per device (MiB)")
     parser.add_argument("--large-mb", type=float, default=4.0, help="bandwidth message per device (MiB)")

@@ -15,7 +15,7 @@ import numpy as np
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--ready-file", required=True)
     parser.add_argument("--max-s", type=float, default=120.0)
     args = parser.parse_args(argv)

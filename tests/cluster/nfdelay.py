@@ -142,7 +142,7 @@ def serve(queue: Queue, delay_s: float, loss: float, lifetime_s: float, seed: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--queue", type=int, default=0)
     parser.add_argument("--delay-ms", type=float, default=5.0)
     parser.add_argument("--loss", type=float, default=0.0)

@@ -127,7 +127,7 @@ class Pipeline:
         return {"potrs_a": a, "potrs_b": b, "potrs_x": _gather(x), "fft_input": field, "fftn": _gather(spectrum)}
 
     def __call__(self) -> dict[str, np.ndarray]:
-        out: dict[str, np.ndarray] = {"num_devices": np.int32(self.mesh.size)}
+        out: dict[str, np.ndarray] = {"num_devices": np.asarray(self.mesh.size, np.int32)}
         for stage in (self.collectives, self.particles, self.dense):
             start = time.perf_counter()
             out |= stage()
@@ -196,9 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"process {world.process_id} of {world.num_processes}: {world.device_count} devices, cold {cold:.2f} s, "
           f"warm median per phase {medians} s", flush=True)
     if world.process_id == 0:
-        timing = {f"time_{name}": value for name, value in stages.items()}
-        np.savez(args.out, **result, **timing, cold_s=np.float64(cold), warm_s=warm,
-                 num_processes=np.int32(world.num_processes), mode=np.array(world.mode))
+        payload: dict[str, Any] = {f"time_{name}": value for name, value in stages.items()}
+        payload |= result | {"cold_s": np.float64(cold), "warm_s": warm,
+                             "num_processes": np.int32(world.num_processes), "mode": np.array(world.mode)}
+        np.savez(args.out, **payload)
     return 0
 
 
