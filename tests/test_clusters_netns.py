@@ -94,14 +94,17 @@ def test_two_hosts_pipeline_clean_then_delay_and_loss(reference: dict[str, np.nd
             methods.extend(cluster.impair(h, delay_ms=5.0, loss=0.01) for h in range(cluster.num_hosts))
             (tmp_path / "phase1.go").write_text("go\n")
 
+        no_faults = cluster.faults_unavailable()
         before = _link_bytes(cluster)
         switcher = threading.Thread(target=faults_on_between_phases, daemon=True)
-        switcher.start()
+        if no_faults is None:
+            switcher.start()
         runs = cluster.launch([sys.executable, pipeline.__file__, "--out", str(out), "--repeats", "1",
-                               "--phases", "2", "--sync-dir", str(tmp_path)], cpu_devices=4, timeout_s=300,
-                              grace_s=5)
+                               "--phases", "1" if no_faults else "2", "--sync-dir", str(tmp_path)], cpu_devices=4,
+                              timeout_s=300, grace_s=5)
         crossed = _link_bytes(cluster) - before
-        switcher.join(timeout=1)
+        if no_faults is None:
+            switcher.join(timeout=1)
     for rank, (code, text) in enumerate(runs):
         assert code == 0, f"process {rank} exited with {code}:\n{text[-4000:]}"
     with np.load(out) as data:
@@ -117,6 +120,8 @@ def test_two_hosts_pipeline_clean_then_delay_and_loss(reference: dict[str, np.nd
             np.testing.assert_allclose(res[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
         else:
             np.testing.assert_array_equal(res[name], value, err_msg=name)
+    if no_faults is not None:
+        pytest.skip(f"the clean run passed; faults on the wire: {no_faults}")
     clean, faulty = (float(np.median(w)) for w in res["warm_s"])
     stages = {k.removeprefix("time_"): np.median(res[k], axis=1) for k in res if k.startswith("time_")}
     assert faulty > clean, f"5 ms delay did not slow the pipeline ({clean:.3f} s clean, {faulty:.3f} s faulty)"

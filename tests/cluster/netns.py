@@ -114,6 +114,12 @@ class VirtualCluster:
                                 stdout=stdout if stdout is not None else subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
 
+    def faults_unavailable(self) -> str | None:
+        """Why :meth:`impair` cannot work here (a skip reason), or ``None``."""
+        if netem_available(self.hosts[0], "eth0") or shutil.which("iptables") is not None:
+            return None
+        return "the kernel has no sch_netem and iptables (for the NFQUEUE fallback) is not installed"
+
     def impair(self, host: int, *, delay_ms: float = 0.0, loss: float = 0.0, lifetime_s: float = 600) -> str:
         """Delay by ``delay_ms`` and drop a fraction ``loss`` of what ``host`` sends; returns the method used."""
         ns = self.hosts[host]
