@@ -53,6 +53,7 @@ if w.process_id == 0:
         print(f"{row[0]:12.4f} {row[1]:12.2f} {row[2]:8d}")
     assert pk[0] > 3 * shot, "clumps should give far more large-scale power than shot noise"
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -60,6 +61,7 @@ if w.process_id == 0:
     fig, ax = plt.subplots(figsize=(5, 4))
     ax.loglog(k, pk, "o-", label=f"{n_total} particles, {grid[0]}$^3$ CIC")
     ax.axhline(shot, ls="--", c="gray", label="shot noise")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("k")
     ax.set_ylabel("P(k)")
     ax.legend()

@@ -194,10 +194,8 @@ def _transforms(kind: Kind, groups: _Groups, done: frozenset[int]) -> list[Trans
     ndim = len(groups)
     last = ndim - 1
     free = [d for d in range(ndim) if d not in done and not groups[d]]
-    if kind == "rfftn":
-        if last not in done:
-            return [Transform((last,), "r2c")] if last in free else []
-        free = [d for d in free if d != last]
+    if kind == "rfftn" and last not in done:  # the real-to-complex transform comes first
+        return [Transform((last,), "r2c")] if last in free else []
     steps = []
     complex_axes = tuple(d for d in free if not (kind == "irfftn" and d == last))
     if complex_axes:
