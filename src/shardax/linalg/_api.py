@@ -154,7 +154,8 @@ def potri(a: Any, *, tile: int = 256, mesh: Mesh | None = None, return_status: b
 
     Example:
         >>> import jax.numpy as jnp, shardax as sx
-        >>> sx.linalg.potri(jnp.array([[4.0, 0.0], [0.0, 2.0]])).tolist()
+        >>> inverse = sx.linalg.potri(jnp.array([[4.0, 0.0], [0.0, 2.0]]))
+        >>> [[round(float(v), 5) for v in row] for row in inverse]
         [[0.25, 0.0], [0.0, 0.5]]
     """
     return _factor_api(a, tile, mesh, return_status, inverse=True)
