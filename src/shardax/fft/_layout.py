@@ -62,7 +62,7 @@ class Layout:
         >>> from jax.sharding import PartitionSpec as P
         >>> lay = Layout.from_spec(P("x", "y"), (32, 32, 32), {"x": 2, "y": 4})
         >>> lay.local_shape, lay.spec
-        ((16, 8, 32), PartitionSpec('x', 'y'))
+        ((16, 8, 32), P('x', 'y'))
     """
 
     shape: tuple[int, ...]
