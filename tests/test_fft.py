@@ -210,6 +210,8 @@ def test_fftfreq_global(mesh: Mesh) -> None:
     np.testing.assert_allclose(np.asarray(f1).ravel(), np.fft.fftfreq(24, 1.0))
     np.testing.assert_allclose(np.asarray(f2).ravel(), np.fft.rfftfreq(32, 2.0))
     assert f0.shape == (16, 1, 1) and f2.shape == (1, 1, 17)
+    r2 = sx.fft.rfftfreq((16, 24, 32), spec=spec, mesh=mesh, d=(0.5, 1.0, 2.0))[2]
+    np.testing.assert_array_equal(np.asarray(r2), np.asarray(f2))
     assert _is_split(f0, P(spec[0]))
     t0, t1, _ = sx.fft.fftfreq((16, 24, 32), spec=spec, mesh=mesh, layout="transposed")
     assert t0.shape == (1, 1, 16) and t1.shape == (24, 1, 1) and _is_split(t1, P(spec[0]))

@@ -16,14 +16,15 @@ from ._fftn import plan as plan
 from ._fftn import rfftn as rfftn
 from ._freq import fftfreq as fftfreq
 from ._freq import local_fftfreq as local_fftfreq
+from ._freq import rfftfreq as rfftfreq
+from ._hlo import CollectiveVolume as CollectiveVolume
 from ._hlo import collective_bytes as collective_bytes
 from ._layout import Layout as Layout
-from ._layout import blockdist as blockdist
 from ._plan import FFTPlan as FFTPlan
 from ._plan import Transform as Transform
 from ._plan import Transpose as Transpose
 
 __all__ = [
-    "FFTPlan", "Layout", "Transform", "Transpose", "blockdist", "collective_bytes", "fftfreq", "fftn", "ifftn",
-    "irfftn", "local_fftfreq", "local_fftn", "local_ifftn", "local_irfftn", "local_rfftn", "plan", "rfftn",
+    "CollectiveVolume", "FFTPlan", "Layout", "Transform", "Transpose", "collective_bytes", "fftfreq", "fftn", "ifftn",
+    "irfftn", "local_fftfreq", "local_fftn", "local_ifftn", "local_irfftn", "local_rfftn", "plan", "rfftfreq", "rfftn",
 ]

@@ -125,3 +125,16 @@ def fftfreq(shape: Sequence[int], /, *, spec: Any = None, mesh: Mesh | None = No
         out.append(jax.device_put(_place(jnp.asarray(freqs), dim, perm),
                                   NamedSharding(the_mesh, PartitionSpec(*entries))))
     return tuple(out)
+
+
+def rfftfreq(shape: Sequence[int], /, *, spec: Any = None, mesh: Mesh | None = None,
+             d: float | Sequence[float] = 1.0, layout: Literal["same", "transposed"] = "same",
+             dtype: Any = jnp.float32) -> tuple[jax.Array, ...]:
+    """:func:`fftfreq` of a real transform's half spectrum (``rfftfreq`` along the last axis).
+
+    Example:
+        >>> import shardax as sx
+        >>> [f.shape for f in sx.fft.rfftfreq((8, 8, 8))]
+        [(8, 1, 1), (1, 8, 1), (1, 1, 5)]
+    """
+    return fftfreq(shape, spec=spec, mesh=mesh, d=d, rfft=True, layout=layout, dtype=dtype)

@@ -16,17 +16,6 @@ from ..core._rank import manual_axes
 Group = tuple[str, ...]
 
 
-def blockdist(n: int, parts: int, index: int) -> tuple[int, int]:
-    """``(count, start)`` of block ``index`` when ``n`` points are split evenly over ``parts`` blocks.
-
-    Example:
-        >>> blockdist(32, 4, 1)
-        (8, 8)
-    """
-    count = n // parts
-    return count, index * count
-
-
 def _entry_group(entry: Any, available: tuple[str, ...], where: str) -> Group:
     if entry is None:
         return ()
