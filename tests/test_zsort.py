@@ -225,6 +225,20 @@ def test_zsort_overflow_raises(shape: tuple[int, ...]) -> None:
     check_overflow(make_mesh(shape))
 
 
+def test_zsort_fallback_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The paths for many ranks (grouping by sort) and many rows per device (two LSD passes), on 3 devices."""
+    from shardax.particles import _sort, _zsort
+
+    monkeypatch.setattr(_zsort, "_COUNTING_MAX_RANKS", 0)
+    monkeypatch.setattr(_sort, "_MSD_MAX_BITS", 0)
+    mesh = Mesh(np.array(jax.devices()[5:8]), ("x",))  # a mesh no other test compiles for
+    pos, counts = cases(np.random.default_rng(4), 3)["duplicates_boundary"]
+    part = layout(mesh, pos, counts, cap=N)
+    out, _ = zsort.smap(mesh)(part)
+    check_sorted(squeeze(part), squeeze(out), None)
+    np.testing.assert_array_equal(to_host(out.num), equal_counts(N, 3))
+
+
 class Tagged(NamedTuple):
     pos: jax.Array
     num: jax.Array

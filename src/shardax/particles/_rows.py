@@ -88,10 +88,11 @@ def resize_rows(arrays: list[jax.Array], capacity: int) -> list[jax.Array]:
 
 def send_rows(arrays: list[jax.Array], send_counts: jax.Array, capacity: int
               ) -> tuple[list[jax.Array], jax.Array]:
-    """``alltoallv`` of every array with the same ``send_counts``; returns the arrays and the rows received."""
+    """``alltoallv`` of every array with the same ``send_counts``; returns the arrays and the rows received from
+    each rank (`(size,)` int32)."""
     outs = []
     recv = jnp.zeros(send_counts.shape, jnp.int32)
     for a in arrays:
         data, recv, _ = alltoallv(a, send_counts, capacity=capacity)
         outs.append(data)
-    return outs, jnp.sum(recv)
+    return outs, recv

@@ -1,13 +1,13 @@
 """Distributed z-order sort: a sample sort into global Morton order, then an optional equalising shift.
 
-Each device sorts its particles by Morton key (one packed 64-bit sort, see ``_sort.py``), picks regularly spaced
-samples of its sorted run, and all devices agree on ``ndev - 1`` splitters by weighted quantiles of the gathered
-samples. Splitters are full ``(key, global input index)`` pairs, so duplicate keys (even every particle at one
-point) are split like distinct ones. Each device sends the contiguous slice of its run that belongs to every other
-device (``alltoallv``, no grouping sort needed), and sorts what it received (the runs arrive grouped by source rank,
-so equal keys stay in global input order). With ``equalize`` the now globally sorted sequence is cut into
-``num_total / ndev`` (+-1) pieces: the send counts follow from the counts alone, and the received rows are already
-in order.
+Each device keys its particles, draws stratified random samples of them, and all devices agree on ``ndev - 1``
+splitters by weighted quantiles of the gathered samples. Splitters are full ``(key, global input index)`` pairs, so
+duplicate keys (even every particle at one point) are split like distinct ones. Each device finds every row's
+destination by binary search over the splitters, groups its rows by destination with a counting pass (no sort),
+sends them (``alltoallv``) and sorts what it received, once (rows arrive grouped by source rank in their input order,
+so equal keys stay in global input order). With ``equalize`` the globally sorted sequence is cut into
+``num_total / ndev`` (+-1) pieces: the cut points follow from the counts alone, only the rows that change device
+move, and they arrive in order. On one device zsort is a single local sort.
 """
 
 from __future__ import annotations
@@ -51,8 +51,11 @@ def check_capacity(capacity: Any, name: str = "capacity") -> int:
     return capacity
 
 
-def _num_samples(n: int, size: int) -> int:
-    return max(16, min(8192, max(512, 64 * size), 2**20 // size))
+_COUNTING_MAX_RANKS = 64  # group rows by destination with one pass per rank up to here, else with a sort
+
+
+def _num_samples(size: int) -> int:
+    return max(16, min(4096, 256 * size, 2**20 // size))
 
 
 def _less(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> jax.Array:
@@ -63,42 +66,63 @@ def _less(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> jax.Array:
     return out
 
 
-def _splitters(run: tuple[jax.Array, ...], num: jax.Array, size: int) -> tuple[jax.Array, ...]:
+def _splitters(words: tuple[jax.Array, ...], num: jax.Array, size: int) -> tuple[jax.Array, ...]:
     """``size - 1`` splitters (words of ``(key hi, key lo, global index)``) cutting the global order evenly.
 
-    Every device contributes ``s`` regularly spaced samples of its sorted run, each standing for ``num / s``
-    particles; splitter ``j`` is the first sample (in global order) at which the cumulative weight reaches
-    ``j * total / size``. Each device then receives at most about ``total / size + 2 * total / s`` particles.
+    Every device contributes ``s`` stratified random samples of its rows (one per stratum of ``num / s`` rows, from
+    a fixed seed), each standing for ``num / s`` particles; splitter ``j`` is the first sample in global order at
+    which the cumulative weight reaches ``j * total / size``. A device then receives about ``total / size``
+    particles, within a few ``total / sqrt(s * size)``; the exact counts are known before anything moves.
     """
-    n = run[0].shape[0]
-    s = _num_samples(n, size)
-    at = jnp.floor((jnp.arange(s, dtype=jnp.float32) + 0.5) * (num.astype(jnp.float32) / s)).astype(jnp.int32)
+    s = _num_samples(size)
+    u = jax.random.uniform(jax.random.fold_in(jax.random.key(0), rank_info().rank), (s,))
+    at = jnp.floor((jnp.arange(s, dtype=jnp.float32) + u) * (num.astype(jnp.float32) / s)).astype(jnp.int32)
     at = jnp.clip(at, 0, jnp.maximum(num - 1, 0))
     has = num > 0
-    words = [allgather(jnp.where(has, w[at], jnp.asarray(jnp.iinfo(w.dtype).max, w.dtype)), tiled=True) for w in run]
+    gathered = [allgather(jnp.where(has, w[at], jnp.asarray(jnp.iinfo(w.dtype).max, w.dtype)), tiled=True)
+                for w in words]
     weight = allgather(jnp.where(has, jnp.full((s,), num.astype(jnp.float32) / s), 0.0), tiled=True)
-    *words, weight = lax.sort((*words, weight), num_keys=len(words))
+    *gathered, weight = lax.sort((*gathered, weight), num_keys=len(gathered))
     total = allreduce(num).astype(jnp.float32)
     targets = total * jnp.arange(1, size, dtype=jnp.float32) / size
     pick = jnp.clip(jnp.searchsorted(jnp.cumsum(weight), targets, side="left"), 0, s * size - 1)
-    return tuple(w[pick] for w in words)
+    return tuple(w[pick] for w in gathered)
 
 
-def _count_below(run: tuple[jax.Array, ...], num: jax.Array, splitters: tuple[jax.Array, ...]) -> jax.Array:
-    """For each splitter, how many of the first ``num`` rows of the sorted ``run`` are below it (binary search)."""
+def _destinations(words: tuple[jax.Array, ...], splitters: tuple[jax.Array, ...]) -> jax.Array:
+    """`(n,)` int32: how many splitters are ``<=`` each row (binary search over the sorted splitters)."""
     m = splitters[0].shape[0]
-    hi = jnp.full((m,), num, jnp.int32)
-    lo = jnp.zeros_like(hi)
+    lo = jnp.zeros_like(words[2])  # like a row-varying input: the loop carry must vary over ranks too
+    hi = lo + m
 
     def step(_: int, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         lo, hi = bounds
         mid = (lo + hi) // 2
-        at = jnp.clip(mid, 0, run[0].shape[0] - 1)
-        below = (mid < hi) & _less(tuple(w[at] for w in run), splitters)
-        return jnp.where(below, mid + 1, lo), jnp.where(below, hi, mid)
+        at = jnp.clip(mid, 0, m - 1)
+        right = (mid < hi) & ~_less(words, tuple(w[at] for w in splitters))
+        return jnp.where(right, mid + 1, lo), jnp.where(right, hi, mid)
 
-    lo, _ = lax.fori_loop(0, run[0].shape[0].bit_length() + 1, step, (lo, hi))
+    lo, _ = lax.fori_loop(0, m.bit_length() + 1, step, (lo, hi))
     return lo
+
+
+def _group(dest: jax.Array, valid: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """Stable grouping by destination: ``(perm, send_counts)`` with ``rows[perm]`` grouped by rank in rank order."""
+    n = dest.shape[0]
+    rows = jnp.arange(n, dtype=jnp.int32)
+    bucket = jnp.where(valid, dest, size)  # padding last
+    if size > _COUNTING_MAX_RANKS:
+        counts = jnp.zeros((size + 1,), jnp.int32).at[bucket].add(1)
+        return argsort_keys(bucket.astype(jnp.uint32), rows.astype(jnp.uint32)), counts[:size]
+
+    def count(within: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+        hit = bucket == b
+        running = jnp.cumsum(hit.astype(jnp.int32))
+        return jnp.where(hit, running - 1, within), running[-1]
+
+    within, counts = lax.scan(count, jnp.zeros_like(bucket), jnp.arange(size + 1, dtype=jnp.int32))
+    target = (jnp.cumsum(counts) - counts)[bucket] + within
+    return jnp.zeros_like(rows).at[target].set(rows, unique_indices=True), counts[:size]
 
 
 def _equal_counts(num: jax.Array, size: int) -> jax.Array:
@@ -112,6 +136,29 @@ def _equal_counts(num: jax.Array, size: int) -> jax.Array:
     first = ranks * base + jnp.minimum(ranks, extra)
     last = first + base + (ranks < extra).astype(jnp.int32)
     return jnp.clip(jnp.minimum(start + num, last) - jnp.maximum(start, first), 0, None).astype(jnp.int32)
+
+
+def _equalize(arrays: list[jax.Array], num: jax.Array, size: int, cap: int) -> tuple[list[jax.Array], jax.Array]:
+    """Cut the globally sorted rows into the equal split; returns the arrays and the rows this device now holds.
+
+    Only the rows that change device go through ``alltoallv`` (near balance: short slices to the neighbours, one
+    round); the slice that stays is spliced between the rows from lower and from higher ranks.
+    """
+    send = _equal_counts(num, size)
+    rank = rank_info().rank
+    ranks = jnp.arange(size, dtype=jnp.int32)
+    keep = jnp.sum(jnp.where(ranks == rank, send, 0))
+    keep_start = jnp.sum(jnp.where(ranks < rank, send, 0))
+    rows = jnp.arange(cap, dtype=jnp.int32)
+    foreign = take_rows(arrays, jnp.where(rows < keep_start, rows, rows + keep))
+    moved, recv = send_rows(foreign, jnp.where(ranks == rank, 0, send), cap)
+    from_lower = jnp.sum(jnp.where(ranks < rank, recv, 0))
+    kept = take_rows(arrays, keep_start + rows - from_lower)
+    moved = take_rows(moved, jnp.where(rows < from_lower, rows, rows - keep))
+    mine = (rows >= from_lower) & (rows < from_lower + keep)
+    out = [jnp.where(mine.reshape((-1,) + (1,) * (a.ndim - 1)), k, m) for a, k, m in zip(arrays, kept, moved,
+                                                                                            strict=True)]
+    return out, jnp.sum(recv) + keep
 
 
 def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | None) -> Sorted:
@@ -131,8 +178,9 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
         part = replace_field(part, "pos", pos)
     nonfinite = allreduce(jnp.sum(valid & ~jnp.all(jnp.isfinite(pos), axis=1)).astype(jnp.int32))
     hi, lo = morton_key(pos, kbox, valid)
-    perm = argsort_keys(hi, lo)
     if size == 1:
+        perm = argsort_keys(hi, lo)
+
         def reorder(a: jax.Array) -> jax.Array:
             return resize_rows(take_rows([a], perm), cap)[0]
 
@@ -140,11 +188,10 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
         return Sorted(out, num > cap, num, nonfinite, kbox)
 
     pack = RowPack(part, n)
-    arrays = take_rows(pack.arrays(), perm)
-    run = (hi[perm], lo[perm], scan(num, inclusive=False) + perm)
-    below = _count_below(run, num, _splitters(run, num, size))
-    edges = jnp.concatenate([jnp.zeros((1,), jnp.int32), below, num[None]])
-    arrays, received = send_rows(arrays, jnp.diff(edges), cap)
+    words = (hi, lo, scan(num, inclusive=False) + rows)
+    perm, send = _group(_destinations(words, _splitters(words, num, size)), valid, size)
+    arrays, received = send_rows(take_rows(pack.arrays(), perm), send, cap)
+    received = jnp.sum(received)
     needed = received
     num = jnp.minimum(received, cap)
     # Keys again from the received positions (cheaper than sending them along).
@@ -152,7 +199,7 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
     hi, lo = morton_key(received_pos, kbox, jnp.arange(cap, dtype=jnp.int32) < num)
     arrays = take_rows(arrays, argsort_keys(hi, lo))
     if equalize:
-        arrays, received = send_rows(arrays, _equal_counts(num, size), cap)
+        arrays, received = _equalize(arrays, num, size, cap)
         needed = jnp.maximum(needed, received)
         num = jnp.minimum(received, cap)
     return Sorted(pack.unpack(arrays, num), needed > cap, needed, nonfinite, kbox)
