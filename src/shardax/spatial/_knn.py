@@ -10,10 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from ..comm import allgather, scan
+from .._errors import CapacityError
+from ..comm import allgather, allreduce, scan
 from ..core import ALL, rank_info, smap
 from ..particles import Particles
+from ._knn_dist import distributed_knn
 from ._knn_local import local_knn
 
 Box = float | tuple[float, ...] | jax.Array | None
@@ -89,7 +92,8 @@ def _check_k(k: Any, n: int, valid: jax.Array) -> None:
             raise ValueError(f"knn: k={k} is larger than the number of particles ({int(jnp.sum(valid))}); lower k")
 
 
-def knn(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce | None = None) -> KnnResult:
+def knn(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce | None = None,
+        ghost_capacity: int | None = None) -> KnnResult:
     """Exact k nearest neighbours of each particle (local view; ``knn.smap`` gives the global version).
 
     Runs the same code outside any mesh (one device) and inside ``sx.smap``. Every particle is its own nearest
@@ -105,7 +109,12 @@ def knn(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce
         query: points to find neighbours for, instead of the particles themselves: a particle pytree or an
             `(m, d)` array. Each device answers its own query rows.
         reduce: optional ``reduce(distances=, indices=, part=)`` applied to the `(m, k)` results before they are
-            returned (``part`` is the query pytree, or ``part`` itself); its output replaces ``indices``.
+            returned (``part`` is the query pytree, or ``part`` itself); its output replaces ``indices``. On a mesh
+            it runs where the particles are after the z-order sort, before the results travel home, so its
+            outputs must be per-row arrays (leading length ``n``).
+        ghost_capacity: rows of the buffer for particles received from other devices (static; default twice the
+            rows per device, at least 8192, at most all other devices' rows). On overflow the local view returns NaN distances; ``knn.smap`` raises
+            :class:`shardax.CapacityError` saying how much is needed.
 
     Returns:
         ``KnnResult(distances (m, k), indices (m, k))`` with rows aligned with the query rows (``m = n`` without
@@ -128,10 +137,23 @@ def knn(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce
         >>> rmean.indices.shape
         (1000,)
     """
+    result, overflow, _ = _knn(part, k, box=box, query=query, reduce=reduce, ghost_capacity=ghost_capacity)
+    if isinstance(overflow, Tracer) or bool(overflow):
+        bad = jnp.asarray(overflow)
+        result = KnnResult(jnp.where(bad, jnp.nan, result.distances), result.indices)
+    return result
+
+
+def _knn(part: Any, k: int, *, box: Box, query: Any, reduce: Reduce | None,
+         ghost_capacity: int | None) -> tuple[KnnResult, jax.Array, jax.Array]:
+    """:func:`knn` plus its overflow flag and the ghost rows needed on this device."""
     pos, valid = _positions(part, "part")
     n, dim = pos.shape
     _check_k(k, n, valid)
     _check_finite(pos, valid, "part")
+    if ghost_capacity is not None and (isinstance(ghost_capacity, bool) or not isinstance(ghost_capacity, int)
+                                       or ghost_capacity < 1):
+        raise ValueError(f"knn: ghost_capacity must be a positive int or None, got {ghost_capacity!r}")
     if query is None:
         qpos, qvalid, qpart = pos, valid, part
     else:
@@ -153,9 +175,14 @@ def knn(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce
         offset = scan(jnp.sum(valid, dtype=jnp.int32), inclusive=False) if size > 1 else jnp.int32(0)
         ids = offset + jnp.arange(n, dtype=jnp.int32)
     ids = jnp.where(valid, jnp.asarray(ids, jnp.int32), jnp.iinfo(jnp.int32).max)
+    no_overflow = jnp.zeros((), bool)
+    if size > 1 and query is None:
+        static_box = _static_box(box)
+        distances, indices, overflow, needed = distributed_knn(part, pos, valid, ids, k, static_box, boxv, reduce,
+                                                               ghost_capacity)
+        return KnnResult(distances, indices), overflow, needed
     if size > 1:
-        # Every device searches all particles: exact and identical at any scale, but the data volume per device
-        # grows with the total (see docs/knn.md).
+        # Separate query points on a mesh: every device searches all particles (exact, not scalable).
         pos, valid, ids = (allgather(x, tiled=True) for x in (pos, valid, ids))
 
     dist2, rows = local_knn(pos, valid, qpos, qvalid, ids, k, boxv)
@@ -163,7 +190,7 @@ def knn(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce
     indices = jnp.where(rows >= 0, ids[jnp.maximum(rows, 0)], -1)
     if reduce is not None:
         indices = reduce(distances=distances, indices=indices, part=qpart)
-    return KnnResult(distances, indices)
+    return KnnResult(distances, indices), no_overflow, jnp.zeros((), jnp.int32)
 
 
 def _static_box(box: Box) -> float | tuple[float, ...] | None:
@@ -183,7 +210,8 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., Kn
     """
     cache: dict[Hashable, Callable[..., Any]] = {}
 
-    def call(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce | None = None) -> KnnResult:
+    def call(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce | None = None,
+             ghost_capacity: int | None = None) -> KnnResult:
         if not (hasattr(part, "pos") and hasattr(part, "num")):
             raise TypeError(f"knn.smap: part must be a global particle pytree with .pos and .num, got "
                             f"{type(part).__name__}")
@@ -198,16 +226,23 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., Kn
         # Pytrees travel as flat leaf lists: smap's spec broadcasting would give an absent (None) field a spec.
         part_leaves, part_def = jax.tree.flatten(part)
         query_leaves, query_def = jax.tree.flatten(query)
-        key = (k, static_box, reduce, part_def, query_def)
+        key = (k, static_box, reduce, ghost_capacity, part_def, query_def)
         fn = cache.get(key)
         if fn is None:
-            def body(part_leaves: list[jax.Array], query_leaves: list[jax.Array]) -> KnnResult:
+            def body(part_leaves: list[jax.Array], query_leaves: list[jax.Array]) -> tuple:
                 query = jax.tree.unflatten(query_def, query_leaves)
-                return knn(jax.tree.unflatten(part_def, part_leaves), k, box=static_box, query=query, reduce=reduce)
+                result, overflow, needed = _knn(jax.tree.unflatten(part_def, part_leaves), k, box=static_box,
+                                                query=query, reduce=reduce, ghost_capacity=ghost_capacity)
+                return result, allreduce(overflow.astype(jnp.int32), "max"), allreduce(needed, "max")
 
-            fn = smap(body, in_specs=(ALL, ALL), out_specs=ALL, mesh=mesh, jit=jit)
+            fn = smap(body, in_specs=(ALL, ALL), out_specs=(ALL, P(), P()), mesh=mesh, jit=jit)
             cache[key] = fn
-        return fn(part_leaves, query_leaves)
+        result, overflow, needed = fn(part_leaves, query_leaves)
+        if not isinstance(overflow, Tracer) and int(overflow):
+            raise CapacityError(f"knn: a device had to receive {int(needed)} neighbour candidate rows from other "
+                                f"devices (or a sort buffer overflowed); pass ghost_capacity= larger than that "
+                                f"(now {ghost_capacity or 'the default'})")
+        return result
 
     return call
 

@@ -112,6 +112,22 @@ def local_knn(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array, query
     return jnp.where(found, dist2, jnp.inf), jnp.where(found, rows, -1)
 
 
+@functools.partial(jax.jit, static_argnames=("k",))
+def kth_distance_bound(pos: jax.Array, data_valid: jax.Array, k: int, box: jax.Array | None) -> jax.Array:
+    """An upper bound `(n,)` on each valid row's squared k-th neighbour distance among the valid rows.
+
+    One first-grid pass: any k real candidates bound the k-th distance from above, certified or not (``inf``
+    where a row saw fewer than k candidates).
+    """
+    tuning = _tuning(pos.shape[1], k)
+    domain = open_domain(pos, data_valid) if box is None else periodic_domain(box.astype(pos.dtype))
+    pos = wrap(pos, domain)
+    grid = make_grid(domain, jnp.sum(data_valid, dtype=jnp.int32), tuning.per_cell, jnp.int32(0))
+    res = grid_pass(sort_data(pos, data_valid, domain, grid), pos, data_valid, domain, grid, 1, k=k,
+                    block=tuning.block, capacity=tuning.capacity, batch=tuning.batch)
+    return jnp.where(data_valid, res.dist2[:, k - 1], jnp.inf)
+
+
 def _brute_force(pos: jax.Array, data_valid: jax.Array, order: jax.Array, query_pos: jax.Array,
                  active: jax.Array, domain: Domain, dist2: jax.Array, rows: jax.Array, k: int,
                  tuning: Tuning) -> tuple[jax.Array, jax.Array]:

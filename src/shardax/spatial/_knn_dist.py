@@ -1,0 +1,124 @@
+"""Distributed kNN: z-order sort, a bounding local pass, a ghost exchange limited to the bounds, results home.
+
+1. ``zsort`` gives every device a compact piece of space (each row remembers its home device and row).
+2. A local kNN over the device's own rows bounds each row's k-th distance from above.
+3. Each device cuts its rows into ``chunks`` runs of the z-order and publishes each run's bounding box grown by
+   the run's largest bound (an all-gather of ``(chunks, 2, d)`` per device).
+4. Every device sends each of its rows to every other device whose grown boxes contain it (the rows any of that
+   device's true neighbourhoods can reach): a surface layer, not the volume.
+5. A second local kNN over own + received rows is exact; ``reduce`` runs on it, and the results travel home.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..comm import allgather, exchange
+from ..core import rank_info
+from ..particles import zsort
+from ..particles._particles import with_num
+from ._knn_local import kth_distance_bound, local_knn
+from ._knn_pass import positions_of
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Carrier:
+    """The rows that go through ``zsort``: positions, ids, home address and the user's per-particle leaves."""
+
+    pos: jax.Array
+    num: jax.Array
+    ids: jax.Array
+    home_rank: jax.Array
+    home_row: jax.Array
+    fields: tuple[jax.Array, ...]
+
+
+def _inside(pos: jax.Array, lo: jax.Array, hi: jax.Array, box: jax.Array | None) -> jax.Array:
+    """`(n, B)`: whether each row of `pos: (n, d)` lies in each box `[lo, hi]: (B, d)` (any periodic image)."""
+    p = pos[:, None, :]
+    lo, hi = lo[None, :, :], hi[None, :, :]
+    hit = (p >= lo) & (p <= hi)
+    if box is not None:
+        b = box[None, None, :]
+        hit = hit | ((p + b >= lo) & (p + b <= hi)) | ((p - b >= lo) & (p - b <= hi))
+    return jnp.all(hit, axis=-1)
+
+
+def distributed_knn(part: Any, pos: jax.Array, valid: jax.Array, ids: jax.Array, k: int, box: Any,
+                    boxv: jax.Array | None, reduce: Callable[..., Any] | None, ghost_capacity: int | None,
+                    chunks: int = 64) -> tuple[jax.Array, Any, jax.Array, jax.Array]:
+    """The kNN of every valid row of ``part`` across all devices of the context (see the module docstring).
+
+    Returns:
+        ``(distances (n, k), indices-or-reduced, overflow, needed)`` aligned with the input rows; ``overflow`` is
+        true when a buffer was too small, ``needed`` the ghost rows this device needed.
+    """
+    rank, size, _ = rank_info()
+    n, dim = pos.shape
+    default = min((size - 1) * n, max(2 * n, 8192))
+    capacity = ghost_capacity if ghost_capacity is not None else default
+    leaves, treedef = jax.tree.flatten(part)
+    num_leaf = getattr(part, "num", None)
+    row_leaf = [i for i, leaf in enumerate(leaves) if leaf is not num_leaf and jnp.ndim(leaf) >= 1
+                and jnp.shape(leaf)[0] == n]
+    rows = jnp.arange(n, dtype=jnp.int32)
+    carrier = _Carrier(pos=pos, num=jnp.sum(valid, dtype=jnp.int32), ids=ids,
+                       home_rank=jnp.full((n,), rank, jnp.int32), home_row=rows,
+                       fields=tuple(jnp.asarray(leaves[i]) for i in row_leaf))
+    # Rows must be packed before zsort (it reads the first `num` rows); invalid rows are moved behind them.
+    order = jnp.argsort(~valid, stable=True)
+    carrier = jax.tree.map(lambda x: x[order] if jnp.ndim(x) >= 1 and x.shape[0] == n else x, carrier)
+    sorted_rows, sort_overflow = zsort(carrier, box=box)
+    zpos, znum, zids = sorted_rows.pos, sorted_rows.num, sorted_rows.ids
+    zvalid = rows < znum
+
+    # Bounding pass on own rows only: the true k-th distance is at most this one.
+    radius = jnp.sqrt(kth_distance_bound(zpos, zvalid, k, boxv))
+    chunk = -(-n // chunks)
+    run = jnp.minimum(rows // chunk, chunks - 1)
+    big = jnp.asarray(jnp.inf, pos.dtype)
+    lo = jax.ops.segment_min(jnp.where(zvalid[:, None], zpos, big), run, num_segments=chunks)
+    hi = jax.ops.segment_max(jnp.where(zvalid[:, None], zpos, -big), run, num_segments=chunks)
+    grow = jax.ops.segment_max(jnp.where(zvalid, radius, -big), run, num_segments=chunks)
+    boxes_lo = allgather(lo - grow[:, None]).reshape(size * chunks, dim)
+    boxes_hi = allgather(hi + grow[:, None]).reshape(size * chunks, dim)
+    hit = _inside(zpos, boxes_lo, boxes_hi, boxv).reshape(n, size, chunks)
+    to = jnp.any(hit, axis=-1) & zvalid[:, None] & (jnp.arange(size)[None, :] != rank)
+
+    pairs = to.T.reshape(-1)
+    wanted = jnp.sum(pairs, dtype=jnp.int32)
+    picked = positions_of(pairs, capacity, size * n)
+    src = picked % n
+    ghosts, ghost_num, ghost_overflow = exchange({"pos": zpos[src], "ids": zids[src]}, picked // n,
+                                                 num=jnp.minimum(wanted, capacity), capacity=capacity)
+    all_pos = jnp.concatenate([zpos, ghosts["pos"]])
+    all_valid = jnp.concatenate([zvalid, jnp.arange(capacity) < ghost_num])
+    all_ids = jnp.concatenate([zids, jnp.where(all_valid[n:], ghosts["ids"], jnp.iinfo(jnp.int32).max)])
+    dist2, found = local_knn(all_pos, all_valid, zpos, zvalid, all_ids, k, boxv)
+    distances = jnp.sqrt(dist2)
+    indices = jnp.where(found >= 0, all_ids[jnp.maximum(found, 0)], -1)
+    if reduce is not None:
+        zleaves = list(leaves)
+        for i, field in zip(row_leaf, sorted_rows.fields, strict=True):
+            zleaves[i] = field
+        zpart = jax.tree.unflatten(treedef, zleaves)
+        if num_leaf is not None:
+            zpart = with_num(zpart, znum)
+        indices = reduce(distances=distances, indices=indices, part=zpart)
+
+    # Home: every result row back to the device and row it came from.
+    home, _, home_overflow = exchange({"d": distances, "v": indices, "row": sorted_rows.home_row},
+                                      sorted_rows.home_rank, num=znum, capacity=n)
+    target = jnp.where(jnp.arange(n) < jnp.sum(valid), home["row"], n)
+    distances = jnp.full_like(distances, jnp.inf).at[target].set(home["d"], mode="drop")
+    indices = jax.tree.map(lambda v: jnp.zeros_like(v).at[target].set(v, mode="drop"), home["v"])
+    if reduce is None:
+        indices = jnp.where(valid[:, None], indices, -1)
+    overflow = sort_overflow | (wanted > capacity) | ghost_overflow | home_overflow
+    return distances, indices, overflow, wanted
