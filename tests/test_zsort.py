@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
-from shardax.particles import Particles, conservation, ids_checksum_numpy, squeeze, zsort
+from shardax.particles import Particles, conservation, domain, ids_checksum_numpy, squeeze, zsort
 
 N = 509  # not divisible by any device count > 1: equalised counts differ by one
 
@@ -208,6 +208,12 @@ def test_zsort_single_device_local_view() -> None:
     np.testing.assert_array_equal(np.asarray(out.ids)[:200], order)
     small, overflow = jax.jit(lambda p: zsort(p, capacity=100))(part)
     assert bool(overflow) and small.pos.shape == (100, 3)
+    # domain() of the sorted particles is the domain zsort returns
+    out, _, dom = jax.jit(lambda p: zsort(p, return_domain=True, num_cells=4))(part)
+    again = jax.jit(lambda p: domain(p, num_cells=4))(out)
+    for a, b in zip(jax.tree.leaves(dom), jax.tree.leaves(again), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(dom.cell_count.sum()) == 200 and dom.cell_level.shape == (1,) and not dom.periodic
 
 
 def test_zsort_matches_numpy(mesh: Mesh) -> None:
