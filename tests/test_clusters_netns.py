@@ -146,8 +146,8 @@ def test_link_down_mid_run_ends_with_the_lost_process_named(tmp_path) -> None:
         cutter = threading.Thread(target=cut_when_ready, daemon=True)
         cutter.start()
         runs = cluster.launch([sys.executable, os.path.join(HERE, "cluster", "linkdown.py"), "--ready-file",
-                               str(ready), "--max-s", "90"], cpu_devices=2, timeout_s=150, grace_s=5,
-                              env={"SHARDAX_WATCHDOG_S": str(WATCHDOG_S)})
+                               str(ready), "--max-s", "90", "--watchdog-s", str(WATCHDOG_S)], cpu_devices=2,
+                              timeout_s=150, grace_s=5)
         ended = time.monotonic()
         cutter.join(timeout=1)
     assert cut_at, f"the run never got ready:\n{runs[0][1][-3000:]}"

@@ -1,8 +1,8 @@
 """One process of a run whose network fails: allreduce in a loop until the caller takes a link down.
 
 Process 0 creates ``--ready-file`` after the first few calls succeed; the caller then cuts a host off. The run must
-end by itself (the watchdog, ``SHARDAX_WATCHDOG_S``) with a report naming the process it lost, and never print
-``loop finished`` (which would read as a complete run). The loop is bounded by ``--max-s``.
+end by itself (the watchdog, set to ``--watchdog-s`` once warm) with a report naming the process it lost, and never
+print ``loop finished`` (which would read as a complete run). The loop is bounded by ``--max-s``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--ready-file", required=True)
     parser.add_argument("--max-s", type=float, default=120.0)
+    parser.add_argument("--watchdog-s", type=float, default=8.0, help="watchdog limit once the run is warm")
     args = parser.parse_args(argv)
 
     import jax
@@ -38,9 +39,12 @@ def main(argv: list[str] | None = None) -> int:
         if not np.all(got == mesh.size):
             raise AssertionError(f"allreduce gave {got.ravel()[:4]}, expected {mesh.size}")
         calls += 1
-        if calls == 3 and world.process_id == 0:
-            with open(args.ready_file, "w") as f:
-                f.write("ready\n")
+        if calls == 3:
+            # set only now, so that a peer still compiling its first call does not fire it
+            sx.runtime.configure_watchdog(args.watchdog_s)
+            if world.process_id == 0:
+                with open(args.ready_file, "w") as f:
+                    f.write("ready\n")
         time.sleep(0.05)
     print(f"process {world.process_id}: loop finished after {calls} calls", flush=True)
     return 0
