@@ -107,7 +107,8 @@ def write(path: str | os.PathLike[str], tree: Any, *, per_rank: bool = False) ->
         raise TypeError(f"per_rank must be a bool, got {per_rank!r}")
     leaves = _flatten(tree)
     shapes = {name: tuple(int(s) for s in np.shape(leaf)) for name, leaf in leaves}
-    dtypes = {name: np.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype)) for name, leaf in leaves}
+    dtypes = {name: np.dtype(leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype)
+              for name, leaf in leaves}
     me, count = jax.process_index(), jax.process_count()
     if per_rank:
         return _write_per_rank(path, leaves, shapes, dtypes, me, count)

@@ -20,13 +20,20 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .._errors import CapacityError
-from ..comm import allreduce, exchange, scan
+from ..comm import allreduce, scan
 from ..core import ALL, rank_info, smap
 from ..particles._domain import domain_of
 from ..particles._particles import check_positions
 from ..particles._zsort import sort_particles
 from ._catalogue import Catalogue, Partial, finish, partial_sums
-from ._fof_halo import INT_MAX, boundary_totals, exchange_ghosts, merge_labels, segment_min_labels
+from ._fof_halo import (
+    INT_MAX,
+    boundary_totals,
+    exchange_columns,
+    exchange_ghosts,
+    merge_labels,
+    segment_min_labels,
+)
 from ._fof_local import DEFAULT_TUNING, Tuning, components, find_links, link_grid, sort_points
 from ._grid import open_domain, periodic_domain
 
@@ -233,8 +240,8 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
     member = own_valid & (group_count[component[:n]] >= min_members)
     own_label = jnp.where(member, labels[:n], -1)
     if size > 1:
-        back, back_num, back_overflow = exchange({"row": carry.home_row, "label": own_label}, carry.home_rank,
-                                                 num=num, capacity=n)
+        back, back_num, back_overflow = exchange_columns({"row": carry.home_row, "label": own_label},
+                                                         carry.home_rank, num=num, capacity=n)
         live = rows < back_num
         own_label = jnp.full((n,), -1, jnp.int32).at[jnp.where(live, back["row"], n)].set(back["label"],
                                                                                          mode="drop")
@@ -245,14 +252,21 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
     return FofResult(own_label, catalogue, overflow, needed)
 
 
+_CONSTRUCTED: dict[tuple[Mesh | None, bool], Callable[..., FofResult]] = {}
+
+
 def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., FofResult]:
     """``fof.smap(mesh=None, jit=True)``: :func:`fof` over global ``(ndev, n, ...)`` particle arrays.
 
     The returned function takes the arguments of :func:`fof` (``linking_length`` and ``box`` as Python numbers: a
     new value recompiles) and returns a :class:`FofResult` in the global view (``labels (ndev, n)``, catalogue
     fields ``(ndev, g, ...)``). It raises :class:`shardax.CapacityError` naming the buffer to enlarge and
-    ``ValueError`` for NaN or infinite positions.
+    ``ValueError`` for NaN or infinite positions. Constructors are cached per ``(mesh, jit)``, so calling
+    ``fof.smap(mesh)(...)`` repeatedly compiles once per argument structure.
     """
+    constructed = _CONSTRUCTED.get((mesh, jit))
+    if constructed is not None:
+        return constructed
     cache: dict[tuple, Callable[..., Any]] = {}
 
     def call(part: Any, linking_length: float, *, box: Any = None, min_members: int = 20,
@@ -292,6 +306,7 @@ def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., 
                 _raise_capacity(np.asarray(needed), part, max_groups, edge_capacity, halo_capacity, min_members)
         return res
 
+    _CONSTRUCTED[(mesh, jit)] = call
     return call
 
 

@@ -45,7 +45,7 @@ class Tuning(NamedTuple):
     per_cell: float = 2.0  # points per cell when the linking length allows cells that large
     block: int = 8  # points per block
     capacity: int = 64  # candidate slots per chunk
-    batch: int = 256  # work items per dense tile
+    batch: int = 1024  # work items per dense tile
     tile_edges: int = 512  # pairs compacted per step (a tile with more takes several steps)
 
 
