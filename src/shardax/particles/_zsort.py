@@ -3,8 +3,8 @@
 Each device keys its particles, draws stratified random samples of them, and all devices agree on ``ndev - 1``
 splitters by weighted quantiles of the gathered samples. Splitters are full ``(key, global input index)`` pairs, so
 duplicate keys (even every particle at one point) are split like distinct ones. Each device finds every row's
-destination by binary search over the splitters, groups its rows by destination with a counting pass (no sort),
-sends them (``alltoallv``) and sorts what it received, once (rows arrive grouped by source rank in their input order,
+destination by binary search over the splitters, groups its rows by destination (one cheap single-array sort of
+``destination, row``), sends them (``alltoallv``) and sorts what it received, once (rows arrive grouped by source rank in their input order,
 so equal keys stay in global input order). With ``equalize`` the globally sorted sequence is cut into
 ``num_total / ndev`` (+-1) pieces: the cut points follow from the counts alone, only the rows that change device
 move, and they arrive in order. On one device zsort is a single local sort.
@@ -51,11 +51,11 @@ def check_capacity(capacity: Any, name: str = "capacity") -> int:
     return capacity
 
 
-_COUNTING_MAX_RANKS = 64  # group rows by destination with one pass per rank up to here, else with a sort
+_DIRECT_MAX_SPLITTERS = 32
 
 
 def _num_samples(size: int) -> int:
-    return max(16, min(4096, 256 * size, 2**20 // size))
+    return max(16, min(2048, 128 * size, 2**20 // size))
 
 
 def _less(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> jax.Array:
@@ -82,7 +82,10 @@ def _splitters(words: tuple[jax.Array, ...], num: jax.Array, size: int) -> tuple
     gathered = [allgather(jnp.where(has, w[at], jnp.asarray(jnp.iinfo(w.dtype).max, w.dtype)), tiled=True)
                 for w in words]
     weight = allgather(jnp.where(has, jnp.full((s,), num.astype(jnp.float32) / s), 0.0), tiled=True)
-    *gathered, weight = lax.sort((*gathered, weight), num_keys=len(gathered))
+    # Stable by key: equal keys stay in gathered (rank, row) order, which is global index order.
+    order = argsort_keys(gathered[0], gathered[1])
+    gathered = [w[order] for w in gathered]
+    weight = weight[order]
     total = allreduce(num).astype(jnp.float32)
     targets = total * jnp.arange(1, size, dtype=jnp.float32) / size
     pick = jnp.clip(jnp.searchsorted(jnp.cumsum(weight), targets, side="left"), 0, s * size - 1)
@@ -90,8 +93,14 @@ def _splitters(words: tuple[jax.Array, ...], num: jax.Array, size: int) -> tuple
 
 
 def _destinations(words: tuple[jax.Array, ...], splitters: tuple[jax.Array, ...]) -> jax.Array:
-    """`(n,)` int32: how many splitters are ``<=`` each row (binary search over the sorted splitters)."""
+    """`(n,)` int32: how many splitters are ``<=`` each row (direct comparisons for a few splitters, else a binary
+    search over the sorted splitters)."""
     m = splitters[0].shape[0]
+    if m <= _DIRECT_MAX_SPLITTERS:
+        count = jnp.zeros_like(words[2])
+        for j in range(m):
+            count = count + (~_less(words, tuple(w[j] for w in splitters))).astype(jnp.int32)
+        return count
     lo = jnp.zeros_like(words[2])  # like a row-varying input: the loop carry must vary over ranks too
     hi = lo + m
 
@@ -107,22 +116,19 @@ def _destinations(words: tuple[jax.Array, ...], splitters: tuple[jax.Array, ...]
 
 
 def _group(dest: jax.Array, valid: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
-    """Stable grouping by destination: ``(perm, send_counts)`` with ``rows[perm]`` grouped by rank in rank order."""
+    """Stable grouping by destination: ``(perm, send_counts)`` with ``rows[perm]`` grouped by rank in rank order.
+
+    One single-array sort of ``destination << b | row`` (uint32 when it fits, else the packed 64-bit sort).
+    """
     n = dest.shape[0]
     rows = jnp.arange(n, dtype=jnp.int32)
     bucket = jnp.where(valid, dest, size)  # padding last
-    if size > _COUNTING_MAX_RANKS:
-        counts = jnp.zeros((size + 1,), jnp.int32).at[bucket].add(1)
-        return argsort_keys(bucket.astype(jnp.uint32), rows.astype(jnp.uint32)), counts[:size]
-
-    def count(within: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
-        hit = bucket == b
-        running = jnp.cumsum(hit.astype(jnp.int32))
-        return jnp.where(hit, running - 1, within), running[-1]
-
-    within, counts = lax.scan(count, jnp.zeros_like(bucket), jnp.arange(size + 1, dtype=jnp.int32))
-    target = (jnp.cumsum(counts) - counts)[bucket] + within
-    return jnp.zeros_like(rows).at[target].set(rows, unique_indices=True), counts[:size]
+    counts = jnp.zeros((size + 1,), jnp.int32).at[bucket].add(1)[:size]
+    bits = max(1, (n - 1).bit_length())
+    if bits + size.bit_length() <= 32:
+        packed = lax.sort((bucket.astype(jnp.uint32) << jnp.uint32(bits)) | rows.astype(jnp.uint32), is_stable=False)
+        return (packed & jnp.uint32((1 << bits) - 1)).astype(jnp.int32), counts
+    return argsort_keys(bucket.astype(jnp.uint32), rows.astype(jnp.uint32)), counts
 
 
 def _equal_counts(num: jax.Array, size: int) -> jax.Array:
