@@ -112,7 +112,7 @@ def dist2(a: jax.Array, b: jax.Array, domain: Domain) -> jax.Array:
         dx = a[..., :, None, axis] - b[..., None, :, axis]
         if domain.periodic:
             box = domain.extent[axis]
-            dx = dx - box * jnp.round(dx / box)
+            dx = dx - box * jnp.round(dx * (1 / box))
         total = dx * dx if total is None else total + dx * dx
     assert total is not None
     return total
