@@ -61,12 +61,12 @@ def wrap(pos: jax.Array, domain: Domain) -> jax.Array:
 
 
 def make_grid(domain: Domain, num: jax.Array, per_cell: float, level: jax.Array) -> Grid:
-    """The grid of refinement ``level`` (0: about ``per_cell`` of ``num`` points per cell; +1 halves the cells)."""
+    """The grid of refinement ``level`` (0: about ``per_cell`` of ``num`` points per cell; +1 halves the cell volume)."""
     dim = domain.extent.shape[0]
     ext = jnp.maximum(domain.extent, jnp.max(domain.extent) * 1e-6)
     volume = jnp.prod(ext.astype(jnp.float32))
     side = (volume * per_cell / jnp.maximum(num, 1).astype(jnp.float32)) ** (1.0 / dim)
-    side = side * jnp.exp2(-level.astype(jnp.float32))
+    side = side * jnp.exp2(-level.astype(jnp.float32) / 3)
     cells = jnp.clip(jnp.floor(ext.astype(jnp.float32) / side), 1, MAX_CELLS_PER_AXIS[dim]).astype(jnp.int32)
     stride = jnp.concatenate([jnp.ones((1,), jnp.int32), jnp.cumprod(cells, dtype=jnp.int32)[:-1]])
     return Grid(cells, (domain.extent / cells.astype(domain.extent.dtype)), stride)

@@ -30,7 +30,7 @@ class Tuning(NamedTuple):
     later_capacity: int = 1024  # candidate slots per block, later passes
     later_batch: int = 32  # blocks per dense tile, later passes
     later_queries: int = 2048  # queries per later pass (at least; more for many queries)
-    max_passes: int = 10  # grid passes before brute force
+    max_passes: int = 12  # full passes (three times as many compacted passes) before brute force
     brute_chunk: int = 64  # queries per brute-force chunk
     brute_tile: int = 2048  # data rows per brute-force tile
 
@@ -75,25 +75,46 @@ def local_knn(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array, query
     first = grid_pass(data0, query_pos, query_valid, domain, grid0, 1, k=k, block=tuning.block,
                       capacity=tuning.capacity, batch=tuning.batch)
     active = query_valid & ~first.certified
-    subset = min(m, max(tuning.later_queries, m // 32))
-    state = (jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.int32(0), active, first.truncated, first.dist2,
-             first.rows)
+    subset = min(m, max(tuning.later_queries, m // 16))
+
+    def many_left(state: tuple) -> jax.Array:
+        passes, _, _, active, *_ = state
+        return (passes < tuning.max_passes) & (jnp.sum(active) > subset)
+
+    def adapt(state: tuple) -> tuple:
+        # Many uncertified queries (clustered data): a full pass on a grid refined four-fold where most failures
+        # are overflowing candidate runs (dense clumps), else coarsened (voids).
+        passes, finest, coarsest, active, truncated, dist2, rows = state
+        finer = 2 * jnp.sum(active & truncated) >= jnp.sum(active)
+        level = jnp.where(finer, finest + 2, coarsest - 1)
+        grid = make_grid(domain, count, tuning.per_cell, level)
+        res = grid_pass(sort_data(pos, data_valid, domain, grid), query_pos, active, domain, grid, 1, k=k,
+                        block=tuning.block, capacity=tuning.capacity, batch=tuning.batch)
+        done = active & res.certified
+        return (passes + 1, jnp.maximum(finest, level), jnp.minimum(coarsest, level), active & ~done,
+                jnp.where(active, res.truncated, truncated), jnp.where(done[:, None], res.dist2, dist2),
+                jnp.where(done[:, None], res.rows, rows))
+
+    state = (jnp.int32(0), jnp.int32(0), jnp.int32(0), active, first.truncated, first.dist2, first.rows)
+    _, finest, coarsest, active, _, dist2, rows = lax.while_loop(many_left, adapt,
+                                                                vary_like(state, query_pos))
+    start = jnp.where(finest == 0, 0, jnp.maximum(coarsest - 1, -3))
+    state = (jnp.int32(0), start, finest, coarsest, active, jnp.zeros_like(active), dist2, rows)
 
     def cond(state: tuple) -> jax.Array:
-        passes, *_, active, _, _, _ = state
-        return (passes < tuning.max_passes) & jnp.any(active)
+        passes, level, finest, _, active, *_ = state
+        return (passes < 3 * tuning.max_passes) & jnp.any(active) & (level <= finest + 3)
 
     def body(state: tuple) -> tuple:
-        passes, level, finest, coarsest, active, truncated, dist2, rows = state
-        # The first later pass widens the search on the first grid. Then overflowing candidate runs call for
-        # finer cells (two-fold smaller), else for larger cells; a pass that left queries unvisited repeats.
-        visited_all = jnp.sum(active) <= subset
-        finer = jnp.any(active & truncated)
-        level = jnp.where(passes == 0, 0, jnp.where(visited_all, jnp.where(finer, finest + 3, coarsest - 1), level))
+        passes, level, finest, coarsest, active, tried, dist2, rows = state
+        # Few queries left: compacted passes searching two cells wide (a density window of about 50 per query),
+        # sweeping from coarse grids to the finest used so far in two-fold steps, so every query meets a grid
+        # that suits it; a level repeats until it has tried every active query.
         grid = make_grid(domain, count, tuning.per_cell, level)
         data = lax.cond(level == 0, lambda: vary_like(data0, query_pos),
                         lambda: vary_like(sort_data(pos, data_valid, domain, grid), query_pos))
-        picked = positions_of(active, subset, m)
+        untried = active & ~tried
+        picked = positions_of(untried, subset, m)
         sub = jnp.minimum(picked, m - 1)
         res = grid_pass(data, query_pos[sub], picked < m, domain, grid, 2, k=k, block=tuning.block,
                         capacity=tuning.later_capacity, batch=tuning.later_batch)
@@ -101,9 +122,11 @@ def local_knn(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array, query
         dist2 = dist2.at[done].set(res.dist2, mode="drop")
         rows = rows.at[done].set(res.rows, mode="drop")
         active = active.at[done].set(False, mode="drop")
-        truncated = truncated.at[picked].set(res.truncated, mode="drop")
-        return (passes + 1, level, jnp.maximum(finest, level), jnp.minimum(coarsest, level), active, truncated,
-                dist2, rows)
+        tried = tried.at[picked].set(True, mode="drop")
+        level_done = ~jnp.any(active & ~tried)
+        level = jnp.where(level_done, level + 1, level)
+        tried = tried & ~level_done
+        return (passes + 1, level, finest, coarsest, active, tried, dist2, rows)
 
     *_, active, _, dist2, rows = lax.while_loop(cond, body, vary_like(state, query_pos))
     dist2, rows = _brute_force(pos, data_valid, order, query_pos, active, domain, dist2, rows, k, tuning)
