@@ -100,6 +100,29 @@ def main() -> None:
         t_ours, t_theirs = statistics.median(ours), statistics.median(theirs)
         print(f"{case:<18} {t_ours:>10.2f} {t_theirs:>10.2f} {t_ours / t_theirs:>6.2f} {compile_s:>10.1f} "
               f"{exact!s:>6}", flush=True)
+        if args.devices > 1:
+            report_ghosts(part, k, box)
+
+
+def report_ghosts(part, k, box) -> None:
+    """Rows each device receives from the others (the ghost layer) against the rows it holds."""
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    import shardax as sx
+    from shardax.spatial._knn import _knn
+
+    def ghosts(part):
+        _, _, needed = _knn(part, k, box=box, query=None, reduce=None, ghost_capacity=None)
+        return needed
+
+    needed = np.asarray(sx.smap(ghosts, in_specs=(sx.ALL,), out_specs=P(sx.ALL), jit=True)(part))
+    rows = np.asarray(part.num)
+    dim = part.pos.shape[-1]
+    per_row = 4 * dim + 4
+    print(f"  ghost rows sent per device: mean {needed.mean():.0f} (max {needed.max()}) for {rows.mean():.0f} rows "
+          f"per device ({needed.mean() / rows.mean():.2f} per row; {needed.mean() * per_row / 2**20:.2f} MiB of "
+          f"positions and ids, plus {rows.mean() * k * 8 / 2**20:.2f} MiB of results going home)", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from scipy.spatial import cKDTree
 
 import shardax as sx
+from conftest import make_mesh
 from shardax.spatial import knn
 
 
@@ -196,6 +197,13 @@ def test_mesh_matches_single_device(mesh: Mesh) -> None:
         one = jitted(9, box)(jnp.asarray(pos))
         np.testing.assert_array_equal(i, np.asarray(one.indices))
         np.testing.assert_array_equal(d, np.asarray(one.distances))
+
+
+def test_ghost_capacity_overflow_raises() -> None:
+    mesh = make_mesh((8,))
+    part = sx.particles.from_numpy(np.random.default_rng(9).random((800, 3), dtype=np.float32), mesh=mesh)
+    with pytest.raises(sx.CapacityError, match="ghost_capacity"):
+        knn.smap(mesh)(part, 9, box=1.0, ghost_capacity=4)
 
 
 def multiprocess_body() -> list[np.ndarray]:
