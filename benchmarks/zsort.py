@@ -5,8 +5,8 @@ Usage (from the repository root)::
     python benchmarks/zsort.py                 # 1 device vs NumPy, 8 devices in one process, 2 processes x 4
     python benchmarks/zsort.py --n 1000000 --repeat 7 --no-multiprocess
 
-Figures (medians over ``--repeat`` calls after a warm-up, all measured in one run so the shared-machine noise
-affects them alike):
+Figures (medians over ``--repeat`` calls after a warm-up; the single-process candidates are timed round-robin in one
+run so that the shared-machine noise affects them alike; the 2x4 run is a separate launch):
 
 - ``numpy``: Morton keys in NumPy (same quantisation, 64-bit magic-number bit spreading), ``np.argsort`` and the
   gather of every field (pos, ids, mass): the NumPy z-sort of the same particles. ``np.argsort`` alone is also given.
@@ -34,15 +34,22 @@ import numpy as np
 
 
 def _median_s(fn: Callable[[], Any], repeat: int) -> float:
+    return _interleaved({"fn": fn}, repeat)["fn"]
+
+
+def _interleaved(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
+    """Median seconds of each function, timed round-robin so that load changes hit them alike."""
     import jax
 
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
+    for fn in fns.values():
         jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def numpy_zsort(pos: np.ndarray, ids: np.ndarray, mass: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -65,21 +72,24 @@ def single_process(n: int, repeat: int) -> dict[str, float]:
     import shardax as sx
     from shardax.particles import uniform, zsort
 
-    out: dict[str, float] = {}
     part = jax.jit(lambda: uniform(n, box=1.0, seed=0))()
     pos, ids, mass = (np.asarray(a)[:n] for a in (part.pos, part.ids, part.mass))
-    out["numpy"] = _median_s(lambda: numpy_zsort(pos, ids, mass), repeat)
     key = np.arange(n, dtype=np.uint64)[np.random.default_rng(0).permutation(n)]
-    out["numpy argsort only"] = _median_s(lambda: np.argsort(key), repeat)
     local = jax.jit(lambda p: zsort(p, box=1.0))
-    out["zsort 1 device"] = _median_s(lambda: local(part), repeat)
-    out["memory ratio 1 device"] = _memory_ratio(local, part)
+    fns: dict[str, Callable[[], Any]] = {
+        "numpy": lambda: numpy_zsort(pos, ids, mass),
+        "numpy argsort only": lambda: np.argsort(key),
+        "zsort 1 device": lambda: local(part),
+    }
     ndev = jax.device_count()
     if ndev > 1:
         mesh = sx.flat_mesh()
         glob = uniform.smap(mesh)(n=n // ndev, box=1.0, seed=0)
         sort = zsort.smap(mesh)
-        out[f"zsort {ndev} devices"] = _median_s(lambda: sort(glob, box=1.0), repeat)
+        fns[f"zsort {ndev} devices"] = lambda: sort(glob, box=1.0)
+    out = _interleaved(fns, repeat)
+    out["memory ratio 1 device"] = _memory_ratio(local, part)
+    if ndev > 1:
         leaves, treedef = jax.tree.flatten(glob)
 
         def body(leaves: list[jax.Array]) -> Any:
