@@ -128,3 +128,15 @@ def test_errors_name_the_argument():
         sx.smap(g, in_specs=(P(sx.ALL), None), out_specs=P(sx.ALL), mesh=mesh)(jnp.zeros((4, 2)))
     with pytest.raises(ValueError, match="spec P\\(None, None, None\\) has 3 entries"):
         sx.smap(g, in_specs=(P(None, None, None), None), out_specs=P(), mesh=mesh)(jnp.zeros((4, 2)), 1)
+
+
+def test_pytree_with_none_fields():
+    """Dataclass pytrees with None fields (Particles(vel=None)) take one spec for every array leaf."""
+    mesh = make_mesh((4,))
+    part = sx.particles.Particles(pos=jnp.ones((4, 5, 3)), num=jnp.full((4,), 5, jnp.int32))
+    nums = sx.smap(lambda p: p.num, in_specs=(P(sx.ALL),), out_specs=P(sx.ALL), mesh=mesh)(part)
+    np.testing.assert_array_equal(nums, [5, 5, 5, 5])
+    out = sx.smap(lambda p: p, in_specs=(P(sx.ALL),), out_specs=P(sx.ALL), mesh=mesh, jit=True)(part)
+    assert out.vel is None and out.pos.shape == (4, 5, 3)
+    rep = sx.smap(lambda p: (sx.comm.allreduce(p.num), None), in_specs=(P(sx.ALL),), out_specs=None, mesh=mesh)(part)
+    assert int(rep[0]) == 20 and rep[1] is None

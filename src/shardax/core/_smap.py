@@ -46,6 +46,11 @@ def _is_spec(x: Any) -> bool:
     return x is None or isinstance(x, PartitionSpec) or _is_all(x)
 
 
+def _is_spec_value(x: Any) -> bool:
+    """A spec in a full (broadcast) spec tree, where ``None`` is an empty subtree (a ``None`` field), not a spec."""
+    return isinstance(x, PartitionSpec) or _is_all(x)
+
+
 def resolve_spec(spec: Any, mesh: Mesh, where: str) -> PartitionSpec:
     """``spec`` with ``ALL``/``-1`` replaced by every axis of ``mesh``; unknown axis names are an error."""
     axes = tuple(mesh.axis_names)
@@ -127,7 +132,8 @@ def _describe_arg(value: Any) -> str:
 def _broadcast_specs(specs: Any, tree: Any, where: str) -> Any:
     """Specs as a full tree matching ``tree`` (``specs`` is a prefix of it)."""
     try:
-        return jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), specs, tree, is_leaf=_is_spec)
+        return jax.tree.map(lambda s, sub: jax.tree.map(lambda _: PartitionSpec() if s is None else s, sub),
+                            specs, tree, is_leaf=_is_spec)
     except ValueError as err:
         raise ValueError(f"{where} does not match the structure of the value: {err}") from None
 
@@ -256,7 +262,7 @@ def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = N
         for i in dyn_idx:
             full = _broadcast_specs(specs[i], args[i], f"in_specs for {arg_name(i)}")
             full = jax.tree.map(lambda s, i=i: _resolve_or_replicated(s, the_mesh, f"in_specs for {arg_name(i)}"),
-                                full, is_leaf=_is_spec)
+                                full, is_leaf=_is_spec_value)
             leaves, _ = jax.tree.flatten(args[i])
             spec_leaves = jax.tree.leaves(full, is_leaf=lambda s: isinstance(s, PartitionSpec))
             for j, (leaf, sp) in enumerate(zip(leaves, spec_leaves, strict=True)):
@@ -300,7 +306,7 @@ def _build(f: Callable, mesh: Mesh, args: tuple, static: tuple[int, ...], dyn_sp
         if expand:
             specs = _broadcast_specs(out_specs, out, f"out_specs of {name}")
             specs = jax.tree.map(lambda s: _resolve_or_replicated(s, mesh, f"out_specs of {name}"), specs,
-                                 is_leaf=_is_spec)
+                                 is_leaf=_is_spec_value)
             out = jax.tree.map(lambda sp, a: _expand_leading(sp)(a), specs, out, is_leaf=is_pspec)
         return out
 

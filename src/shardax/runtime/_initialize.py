@@ -76,7 +76,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         local_device_ids: restrict this process to these local devices (GPU per-process binding).
         cpu_devices: give each process this many CPU devices (``jax_num_cpu_devices``); must be set before the
             backend starts.
-        timeout_s: how long to wait for the other processes to join.
+        timeout_s: how long to wait for the other processes to join. ``SHARDAX_HEARTBEAT_S`` sets how soon a
+            lost peer ends the run (JAX's heartbeat timeout, default 100 s).
 
     Returns:
         The :class:`World` of the run.
@@ -138,9 +139,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                     "the JAX backend already started in this process, so it cannot join a run of "
                     f"{info.num_processes} processes: call sx.initialize() first, before any other JAX call")
             try:
+                heartbeat = os.environ.get("SHARDAX_HEARTBEAT_S")
+                extra = {"heartbeat_timeout_seconds": int(heartbeat)} if heartbeat else {}
                 jax.distributed.initialize(info.coordinator_address, info.num_processes, info.process_id,
                                            local_device_ids=local_device_ids,
-                                           initialization_timeout=int(timeout_s))
+                                           initialization_timeout=int(timeout_s), **extra)
             except Exception as err:  # jaxlib raises XlaRuntimeError/RuntimeError with the cause in the text
                 raise DistributedSetupError(
                     f"process {info.process_id} of {info.num_processes} could not join the run at "

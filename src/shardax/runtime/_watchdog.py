@@ -32,6 +32,7 @@ class _Pending:
     description: str
     started: float
     outputs: Any
+    timeout_s: float
 
 
 class _Watchdog:
@@ -42,6 +43,7 @@ class _Watchdog:
         self.cond = threading.Condition()
         self.threads_started = False
         self.last_done = ""
+        self.process = (0, 1)  # (index, count), read in the caller's thread: the monitor never calls into JAX
 
     def effective_timeout(self) -> float:
         if self.timeout_s is not None:
@@ -57,7 +59,8 @@ class _Watchdog:
                 threading.Thread(target=self._waiter, name="shardax-watchdog-waiter", daemon=True).start()
                 threading.Thread(target=self._monitor, name="shardax-watchdog", daemon=True).start()
                 self.threads_started = True
-            self.queue.append(_Pending(number, description, time.monotonic(), outputs))
+            self.process = (jax.process_index(), jax.process_count())
+            self.queue.append(_Pending(number, description, time.monotonic(), outputs, timeout))
             self.cond.notify_all()
 
     def _waiter(self) -> None:
@@ -78,48 +81,60 @@ class _Watchdog:
     def _monitor(self) -> None:
         while True:
             time.sleep(0.5)
-            timeout = self.effective_timeout()
             with self.cond:
                 oldest = self.queue[0] if self.queue else None
-            if oldest is None or timeout <= 0:
+                limit = self.timeout_s if self.timeout_s is not None else (oldest.timeout_s if oldest else 0.0)
+            if oldest is None or limit <= 0:
                 continue
             age = time.monotonic() - oldest.started
-            if age > timeout:
+            if age > limit:
                 self._fire(oldest, age)
 
     def _fire(self, item: _Pending, age: float) -> None:
-        me = jax.process_index()
+        me, count = self.process
         mine = (f"process {me}: distributed call #{item.number} {item.description} has not finished after "
                 f"{age:.0f} s (last finished: {self.last_done or 'none'})")
         lines = [f"shardax watchdog: {mine}"]
-        try:
-            from jax._src import distributed
-
-            client = distributed.global_state.client
-            if client is not None:
-                client.key_value_set(f"shardax/watchdog/{me}", mine)
-                deadline = time.monotonic() + 5.0
-                others = {p for p in range(jax.process_count()) if p != me}
-                while others and time.monotonic() < deadline:
-                    for p in sorted(others):
-                        try:
-                            got = client.key_value_try_get(f"shardax/watchdog/{p}")
-                        except Exception:  # NOT_FOUND until that process posts
-                            continue
-                        if got:
-                            lines.append(f"shardax watchdog: {got}")
-                            others.discard(p)
-                    time.sleep(0.2)
-                for p in sorted(others):
-                    lines.append(f"shardax watchdog: process {p}: no report (it is not in a watched call: running "
-                                 "different code, blocked outside shardax, or gone)")
-        except Exception as err:  # reporting must never stop the exit
-            lines.append(f"shardax watchdog: could not collect the other processes' reports ({err})")
+        others: list[str] = []
+        # The coordinator may be unreachable (a cut link): collect in a thread, wait at most a few seconds.
+        collector = threading.Thread(target=self._collect, args=(me, count, mine, others), daemon=True)
+        collector.start()
+        collector.join(timeout=6.0)
+        lines.extend(list(others) or ["shardax watchdog: could not reach the coordinator to collect the other "
+                                      "processes' reports"])
         lines.append(f"shardax watchdog: ending process {me} with exit code {EXIT_CODE} (set SHARDAX_WATCHDOG_S to "
                      "change the limit)")
         sys.stdout.flush()
         print("\n".join(lines), file=sys.stderr, flush=True)
         os._exit(EXIT_CODE)
+
+    @staticmethod
+    def _collect(me: int, count: int, mine: str, out: list[str]) -> None:
+        try:
+            from jax._src import distributed
+
+            client = distributed.global_state.client
+            if client is None:
+                return
+            client.key_value_set(f"shardax/watchdog/{me}", mine)
+            deadline = time.monotonic() + 5.0
+            others = {p for p in range(count) if p != me}
+            found = []
+            while others and time.monotonic() < deadline:
+                for p in sorted(others):
+                    try:
+                        got = client.key_value_try_get(f"shardax/watchdog/{p}")
+                    except Exception:  # NOT_FOUND until that process posts
+                        continue
+                    if got:
+                        found.append(f"shardax watchdog: {got}")
+                        others.discard(p)
+                time.sleep(0.2)
+            found += [f"shardax watchdog: process {p}: no report (it is not in a watched call: running different "
+                      "code, blocked outside shardax, or gone)" for p in sorted(others)]
+            out.extend(found)
+        except Exception as err:  # reporting must never stop the exit
+            out.append(f"shardax watchdog: could not collect the other processes' reports ({err})")
 
 
 _watchdog = _Watchdog()
