@@ -251,6 +251,15 @@ def check_halo_exchange(mesh: Mesh) -> None:
             blk = out[tuple(slice(idx[i] * grown[i], (idx[i] + 1) * grown[i]) if i < dims else slice(None)
                             for i in range(3))]
             np.testing.assert_array_equal(blk, ref, err_msg=f"block {idx} periodic={periodic}")
+    # One dimension split over every axis at once (a tuple of axes).
+    size = mesh.devices.size
+    line = np.arange(3.0 * size, dtype=np.float32)
+    f = sx.smap(lambda a: sx.comm.halo_exchange(a, 1, axes=(tuple(names),)), in_specs=(P(tuple(names)),),
+                out_specs=P(tuple(names)), mesh=mesh, expand=False, jit=True)
+    out = to_numpy(f(put(mesh, line, P(tuple(names))))).reshape(size, 5)
+    padded = np.pad(line, 1, mode="wrap")
+    for r in range(size):
+        np.testing.assert_array_equal(out[r], padded[3 * r: 3 * r + 5])
 
 
 def check_grads(mesh: Mesh) -> None:

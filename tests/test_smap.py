@@ -140,3 +140,17 @@ def test_pytree_with_none_fields():
     assert out.vel is None and out.pos.shape == (4, 5, 3)
     rep = sx.smap(lambda p: (sx.comm.allreduce(p.num), None), in_specs=(P(sx.ALL),), out_specs=None, mesh=mesh)(part)
     assert int(rep[0]) == 20 and rep[1] is None
+
+
+def test_keyword_only_parameters_and_constructor_cache():
+    @sx.distributed(out_specs=P(sx.ALL), static_argnames=("n",))
+    def draw(n, *, seed, scale=2.0):
+        return scale * jax.random.uniform(jax.random.key(seed + sx.rank_info().rank), (n,))
+
+    mesh = make_mesh((2,))
+    out = draw.smap(mesh)(3, seed=1)
+    assert out.shape == (2, 3) and float(jnp.max(out)) <= 2.0
+    np.testing.assert_allclose(draw.smap(mesh)(n=3, seed=1, scale=4.0), 2 * np.asarray(out), rtol=1e-6)
+    assert draw.smap(mesh) is draw.smap(mesh)
+    f = sx.smap(lambda x, *, k: x * k, in_specs=(P(sx.ALL), None), out_specs=P(sx.ALL), mesh=mesh)
+    np.testing.assert_array_equal(f(jnp.ones((2, 2)), k=3), 3 * np.ones((2, 2)))

@@ -12,7 +12,7 @@ from ..core._rank import manual_axes
 from ._collectives import shift
 
 
-def halo_exchange(x: jax.Array, width: int | Sequence[int], *, axes: Sequence[str | None],
+def halo_exchange(x: jax.Array, width: int | Sequence[int], *, axes: Sequence[str | tuple[str, ...] | None],
                   periodic: bool = True) -> jax.Array:
     """Pad the local block of a distributed field with ``width`` cells of its neighbours' data on each side.
 
@@ -24,7 +24,7 @@ def halo_exchange(x: jax.Array, width: int | Sequence[int], *, axes: Sequence[st
     Args:
         x: the local block, ``(n_0, n_1, ...)``.
         width: halo cells per side, one int for every split dimension or one per entry of ``axes``.
-        axes: for each leading dimension of ``x``, the mesh axis it is split over, or ``None``.
+        axes: for each leading dimension of ``x``, the mesh axis (or tuple of axes) it is split over, or ``None``.
         periodic: wrap around at the ends; else the outer halos are zeros.
 
     Returns:
@@ -52,7 +52,8 @@ def halo_exchange(x: jax.Array, width: int | Sequence[int], *, axes: Sequence[st
             continue
         if not isinstance(w, int) or w < 0:
             raise ValueError(f"width for dimension {dim} must be a non-negative int, got {w!r}")
-        if manual and name not in manual:
+        names = (name,) if isinstance(name, str) else tuple(name)
+        if manual and any(n not in manual for n in names):
             raise ValueError(f"axes[{dim}]={name!r} is not a manual mesh axis here; the manual axes are {manual}")
         if w > x.shape[dim]:
             raise ValueError(f"halo width {w} along dimension {dim} is larger than the local block ({x.shape[dim]} "

@@ -111,6 +111,19 @@ def default_mesh(mesh: Mesh | None) -> Mesh:
     return mesh
 
 
+def _positional(f: Callable, signature: inspect.Signature) -> Callable:
+    """``f`` taking its keyword-only parameters positionally, after the others, in signature order."""
+    params = list(signature.parameters.values())
+    n_pos = sum(p.kind is not p.KEYWORD_ONLY for p in params)
+    kw_names = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+
+    @functools.wraps(f)
+    def call(*args: Any) -> Any:
+        return f(*args[:n_pos], **dict(zip(kw_names, args[n_pos:], strict=True)))
+
+    return call
+
+
 def _stable_repr(value: Any) -> str:
     """A description of a static value that is the same in every process (no memory addresses)."""
     if callable(value) and hasattr(value, "__qualname__"):
@@ -218,6 +231,8 @@ def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = N
     except (TypeError, ValueError):
         signature = None
     name = getattr(f, "__name__", repr(f))
+    if signature is not None and any(p.kind is p.KEYWORD_ONLY for p in signature.parameters.values()):
+        f = _positional(f, signature)
     qualname = f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', name)}"
     cache: dict[Hashable, Callable] = {}
 
@@ -363,7 +378,11 @@ def distributed(f: Callable | None = None, /, *, in_specs: Mapping[str, Any] | N
     if overlap:
         raise ValueError(f"parameters {sorted(overlap)} are both in in_specs and static_argnames")
 
+    constructed: dict[Hashable, Callable] = {}
+
     def constructor(mesh: Mesh | None = None, *, jit: bool = True) -> Callable:
+        if (mesh, jit) in constructed:  # one global function (and its compilations) per mesh
+            return constructed[(mesh, jit)]
         cache: dict[Hashable, Callable] = {}
 
         @functools.wraps(f)
@@ -386,6 +405,7 @@ def distributed(f: Callable | None = None, /, *, in_specs: Mapping[str, Any] | N
                 cache[key] = fn
             return fn(*(values[p] for p in params))
 
+        constructed[(mesh, jit)] = call
         return call
 
     f.smap = constructor  # type: ignore[attr-defined]

@@ -140,10 +140,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                     f"{info.num_processes} processes: call sx.initialize() first, before any other JAX call")
             try:
                 heartbeat = os.environ.get("SHARDAX_HEARTBEAT_S")
-                extra = {"heartbeat_timeout_seconds": int(heartbeat)} if heartbeat else {}
                 jax.distributed.initialize(info.coordinator_address, info.num_processes, info.process_id,
                                            local_device_ids=local_device_ids,
-                                           initialization_timeout=int(timeout_s), **extra)
+                                           initialization_timeout=int(timeout_s),
+                                           heartbeat_timeout_seconds=int(heartbeat) if heartbeat else 100)
             except Exception as err:  # jaxlib raises XlaRuntimeError/RuntimeError with the cause in the text
                 raise DistributedSetupError(
                     f"process {info.process_id} of {info.num_processes} could not join the run at "
