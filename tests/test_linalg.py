@@ -90,7 +90,7 @@ def test_potrs_every_mesh(mesh):
 
 
 @pytest.mark.parametrize(("shape", "layout", "n", "tile"), [
-    ((4,), "rows", 64, 1),
+    ((4,), "rows", 24, 1),
     ((4,), "cols", 1000, 256),
     ((2, 2), "2d", 60, 3),
     ((2, 4), "cols", 1000, 64),
