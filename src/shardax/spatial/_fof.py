@@ -125,7 +125,7 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
         max_groups: catalogue rows per device (static); default ``(n + halo_capacity) // min_members + 16``.
         edge_capacity: pairs per device the linking may hold (static); default ``8 (n + halo_capacity) + 4096``.
         halo_capacity: boundary particles per device sent and received (static, ignored on one device);
-            default ``max(n, 1024)``.
+            default ``max(n // 4, 1024)``.
         tuning: static sizes of the pair search.
 
     Returns:
@@ -154,7 +154,7 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
     boxv = _box_vector(box, dim, dtype)
     ll = _check_linking_length(linking_length, boxv, dtype)
     rank, size, _ = rank_info()
-    hc = 0 if size == 1 else (_positive_int(halo_capacity, "halo_capacity", allow_none=True) or max(n, 1024))
+    hc = 0 if size == 1 else (_positive_int(halo_capacity, "halo_capacity", allow_none=True) or max(n // 4, 1024))
     total_rows = n + hc
     edge_cap = _positive_int(edge_capacity, "edge_capacity", allow_none=True) or 8 * total_rows + 4096
     group_cap = _positive_int(max_groups, "max_groups", allow_none=True) or total_rows // min_members + 16
@@ -313,7 +313,7 @@ def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., 
 def _raise_capacity(needed: np.ndarray, part: Any, max_groups: int | None, edge_capacity: int | None,
                     halo_capacity: int | None, min_members: int) -> None:
     n = int(jnp.shape(part.pos)[1])
-    hc = halo_capacity or max(n, 1024)
+    hc = halo_capacity or max(n // 4, 1024)
     available = [edge_capacity or 8 * (n + hc) + 4096, hc, max_groups or (n + hc) // min_members + 16, n]
     for name, need, have in zip(_CAPACITIES, needed.tolist(), available, strict=True):
         if need > have:

@@ -62,35 +62,49 @@ def exchange_columns(columns: dict[str, jax.Array], dest: jax.Array, *, num: jax
     return out, got_num, overflow
 
 
-def _near_cells(pos: jax.Array, lower: jax.Array, upper: jax.Array, occupied: jax.Array, reach2: jax.Array,
-                box: jax.Array | None) -> jax.Array:
-    """`(n,)` whether each position is within ``sqrt(reach2)`` of any occupied box ``[lower[m], upper[m]]``."""
-    centre = 0.5 * (lower + upper)
-    half = 0.5 * (upper - lower)
-
-    def one(m: jax.Array, near: jax.Array) -> jax.Array:
-        dx = jnp.abs(min_image(pos - centre[m][None, :], box))
-        gap = jnp.maximum(dx - half[m][None, :], 0)
-        return near | (occupied[m] & (jnp.sum(gap * gap, axis=1) <= reach2))
-
-    return lax.fori_loop(0, lower.shape[0], one, vary_like(jnp.zeros((pos.shape[0],), bool), pos))
+def _box_gap2(centre: jax.Array, half: jax.Array, other_centre: jax.Array, other_half: jax.Array,
+              box: jax.Array | None) -> jax.Array:
+    """Squared gap between boxes (or points: ``half = 0``) given by centres and half-widths `(..., d)`."""
+    dx = jnp.abs(min_image(centre - other_centre, box))
+    gap = jnp.maximum(dx - half - other_half, 0)
+    return jnp.sum(gap * gap, axis=-1)
 
 
 def exchange_ghosts(pos: jax.Array, ids: jax.Array, num: jax.Array, domain: Domain, linking_length: jax.Array,
                     box: jax.Array | None, rank: Any, size: int, capacity: int) -> Halo:
-    """Send every own particle within the linking length of another device's cells to that device."""
+    """Send every own particle within the linking length of another device's cells to that device.
+
+    Only the other devices' cells within reach of one of this device's own cells are tested against the particles
+    (the few cells along the surface of this device's piece), one cell at a time.
+    """
     n = pos.shape[0]
     valid = jnp.arange(n, dtype=jnp.int32) < num
     # A little slack: sending a far particle costs a row, missing a near one would cost a link.
     reach2 = (linking_length * (1 + 1e-4)) ** 2
-    occupied = domain.cell_count > 0
+    occupied = domain.cell_count > 0  # (size, M)
     lower = jnp.where(occupied[..., None], domain.cell_lower, 0).astype(pos.dtype)
     upper = jnp.where(occupied[..., None], domain.cell_upper, 0).astype(pos.dtype)
+    centre, half = 0.5 * (lower + upper), 0.5 * (upper - lower)
+    cells = occupied.shape[1]
+    mine = jnp.arange(size, dtype=jnp.int32)[:, None] == rank
 
-    def for_device(r: jax.Array) -> jax.Array:
-        return valid & (r != rank) & _near_cells(pos, lower[r], upper[r], occupied[r], reach2, box)
+    def touches(m: jax.Array, hit: jax.Array) -> jax.Array:
+        gap2 = _box_gap2(centre, half, centre[rank, m][None, None, :], half[rank, m][None, None, :], box)
+        return hit | (occupied[rank, m] & (gap2 <= reach2))
 
-    near = lax.map(for_device, jnp.arange(size, dtype=jnp.int32))  # (size, n)
+    relevant = lax.fori_loop(0, cells, touches, vary_like(jnp.zeros(occupied.shape, bool), pos))
+    relevant = relevant & occupied & ~mine
+    (todo,) = jnp.nonzero(relevant.reshape(-1), size=size * cells, fill_value=0)
+    todo = todo.astype(jnp.int32)
+
+    def test_cell(i: jax.Array, near: jax.Array) -> jax.Array:
+        r, m = todo[i] // cells, todo[i] % cells
+        hit = _box_gap2(pos, jnp.zeros_like(pos), centre[r, m][None, :], half[r, m][None, :], box) <= reach2
+        row = lax.dynamic_index_in_dim(near, r, keepdims=False) | (valid & hit)
+        return lax.dynamic_update_index_in_dim(near, row, r, 0)
+
+    near = lax.fori_loop(0, jnp.sum(relevant, dtype=jnp.int32), test_cell,
+                         vary_like(jnp.zeros((size, n), bool), pos))
     per_dest = jnp.sum(near, axis=1, dtype=jnp.int32)
     send_num = jnp.sum(per_dest)
     (flat,) = jnp.nonzero(near.reshape(-1), size=capacity, fill_value=0)
