@@ -20,7 +20,9 @@ SEEN = ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODE
 
 def reports(output: str) -> list[dict]:
     """The ``WORLD`` reports in a launcher's output, by process id."""
-    found = [json.loads(line.split("WORLD ", 1)[1]) for line in output.splitlines() if "WORLD {" in line]
+    # mpirun merges the ranks' streams, so another rank's text may follow a report on the same line.
+    decoder = json.JSONDecoder()
+    found = [decoder.raw_decode(line.split("WORLD ", 1)[1])[0] for line in output.splitlines() if "WORLD {" in line]
     return sorted(found, key=lambda r: r["process_id"])
 
 
