@@ -206,7 +206,8 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., Kn
 
     The returned function takes the arguments of :func:`knn`; ``part`` and ``query`` are global pytrees (e.g. from
     :func:`shardax.particles.from_numpy`), the results have shape ``(ndev, m, k)`` aligned with the query rows.
-    Called eagerly it checks for NaN positions and ``k`` larger than the total number of particles.
+    Called outside an outer ``jax.jit`` it raises ``ValueError`` for NaN positions or ``k`` larger than the total
+    number of particles, and :class:`shardax.CapacityError` when ``ghost_capacity`` was too small.
     """
     cache: dict[Hashable, Callable[..., Any]] = {}
 
@@ -215,13 +216,6 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., Kn
         if not (hasattr(part, "pos") and hasattr(part, "num")):
             raise TypeError(f"knn.smap: part must be a global particle pytree with .pos and .num, got "
                             f"{type(part).__name__}")
-        if not isinstance(part.num, Tracer):
-            total = int(np.sum(np.asarray(part.num)))
-            if isinstance(k, int) and not isinstance(k, bool) and k > total:
-                raise ValueError(f"knn: k={k} is larger than the number of particles ({total}); lower k")
-            num = np.asarray(part.num).reshape(-1, 1)
-            valid = np.arange(np.shape(part.pos)[-2])[None, :] < num
-            _check_finite(part.pos, jnp.asarray(valid), "part")
         static_box = _static_box(box)
         # Pytrees travel as flat leaf lists: smap's spec broadcasting would give an absent (None) field a spec.
         part_leaves, part_def = jax.tree.flatten(part)
@@ -230,18 +224,30 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., Kn
         fn = cache.get(key)
         if fn is None:
             def body(part_leaves: list[jax.Array], query_leaves: list[jax.Array]) -> tuple:
+                part = jax.tree.unflatten(part_def, part_leaves)
                 query = jax.tree.unflatten(query_def, query_leaves)
-                result, overflow, needed = _knn(jax.tree.unflatten(part_def, part_leaves), k, box=static_box,
-                                                query=query, reduce=reduce, ghost_capacity=ghost_capacity)
-                return result, allreduce(overflow.astype(jnp.int32), "max"), allreduce(needed, "max")
+                # Data checks inside the mapped function: the host cannot read other processes' rows.
+                pos, valid = _positions(part, "part")
+                total = allreduce(jnp.sum(valid, dtype=jnp.int32))
+                nonfinite = allreduce(jnp.sum(valid & ~jnp.all(jnp.isfinite(pos), axis=-1), dtype=jnp.int32))
+                result, overflow, needed = _knn(part, k, box=static_box, query=query, reduce=reduce,
+                                                ghost_capacity=ghost_capacity)
+                flags = (allreduce(overflow.astype(jnp.int32), "max"), allreduce(needed, "max"), total, nonfinite)
+                return result, flags
 
-            fn = smap(body, in_specs=(ALL, ALL), out_specs=(ALL, P(), P()), mesh=mesh, jit=jit)
+            fn = smap(body, in_specs=(ALL, ALL), out_specs=(ALL, P()), mesh=mesh, jit=jit)
             cache[key] = fn
-        result, overflow, needed = fn(part_leaves, query_leaves)
-        if not isinstance(overflow, Tracer) and int(overflow):
-            raise CapacityError(f"knn: a device had to receive {int(needed)} neighbour candidate rows from other "
-                                f"devices (or a sort buffer overflowed); pass ghost_capacity= larger than that "
-                                f"(now {ghost_capacity or 'the default'})")
+        result, (overflow, needed, total, nonfinite) = fn(part_leaves, query_leaves)
+        if not isinstance(overflow, Tracer):
+            if int(nonfinite):
+                raise ValueError(f"knn: part has {int(nonfinite)} row(s) with NaN or infinite coordinates; remove or "
+                                 "fix them")
+            if k > int(total):
+                raise ValueError(f"knn: k={k} is larger than the number of particles ({int(total)}); lower k")
+            if int(overflow):
+                raise CapacityError(f"knn: a device had to send {int(needed)} neighbour candidate rows to other "
+                                    f"devices (or a sort buffer overflowed); pass ghost_capacity= larger than that "
+                                    f"(now {ghost_capacity or 'the default'})")
         return result
 
     return call
