@@ -113,7 +113,7 @@ def knn(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce
             it runs where the particles are after the z-order sort, before the results travel home, so its
             outputs must be per-row arrays (leading length ``n``).
         ghost_capacity: rows of the buffer for particles received from other devices (static; default twice the
-            rows per device, at least 8192, at most all other devices' rows). On overflow the local view returns NaN distances; ``knn.smap`` raises
+            rows per device, at least 32768, at most all other devices' rows). On overflow the local view returns NaN distances; ``knn.smap`` raises
             :class:`shardax.CapacityError` saying how much is needed.
 
     Returns:
@@ -245,8 +245,8 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., Kn
             if k > int(total):
                 raise ValueError(f"knn: k={k} is larger than the number of particles ({int(total)}); lower k")
             if int(overflow):
-                raise CapacityError(f"knn: a device had to send {int(needed)} neighbour candidate rows to other "
-                                    f"devices (or a sort buffer overflowed); pass ghost_capacity= larger than that "
+                raise CapacityError(f"knn: a device had to send or receive {int(needed)} neighbour candidate rows "
+                                    f"(or a sort buffer overflowed); pass ghost_capacity= larger than that "
                                     f"(now {ghost_capacity or 'the default'})")
         return result
 

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..comm import allgather, exchange
+from ..comm import allgather, allreduce, exchange
 from ..core import rank_info
 from ..particles import zsort
 from ..particles._particles import with_num
@@ -57,11 +57,11 @@ def distributed_knn(part: Any, pos: jax.Array, valid: jax.Array, ids: jax.Array,
 
     Returns:
         ``(distances (n, k), indices-or-reduced, overflow, needed)`` aligned with the input rows; ``overflow`` is
-        true when a buffer was too small, ``needed`` the ghost rows this device needed.
+        true when a buffer was too small, ``needed`` the ghost rows this device had to send or receive.
     """
     rank, size, _ = rank_info()
     n, dim = pos.shape
-    default = min((size - 1) * n, max(2 * n, 8192))
+    default = min((size - 1) * n, max(2 * n, 32768))
     capacity = ghost_capacity if ghost_capacity is not None else default
     leaves, treedef = jax.tree.flatten(part)
     num_leaf = getattr(part, "num", None)
@@ -93,6 +93,7 @@ def distributed_knn(part: Any, pos: jax.Array, valid: jax.Array, ids: jax.Array,
 
     pairs = to.T.reshape(-1)
     wanted = jnp.sum(pairs, dtype=jnp.int32)
+    received = allreduce(jnp.sum(to, axis=0, dtype=jnp.int32))[rank]
     picked = positions_of(pairs, capacity, size * n)
     src = picked % n
     ghosts, ghost_num, ghost_overflow = exchange({"pos": zpos[src], "ids": zids[src]}, picked // n,
@@ -121,4 +122,4 @@ def distributed_knn(part: Any, pos: jax.Array, valid: jax.Array, ids: jax.Array,
     if reduce is None:
         indices = jnp.where(valid[:, None], indices, -1)
     overflow = sort_overflow | (wanted > capacity) | ghost_overflow | home_overflow
-    return distances, indices, overflow, wanted
+    return distances, indices, overflow, jnp.maximum(wanted, received)
