@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 from .._version import __version__
 from ._doctor import run_cli as _doctor_cli
+from ._halos import run_cli as _halos_cli
 from ._launch import run_cli as _launch_cli
 
 
@@ -27,12 +28,14 @@ class Subcommand:
     run: Callable[[Sequence[str]], int]
 
 
-# Later subcommands (demo, halos, bench) add one entry here.
+# Later subcommands (demo, bench) add one entry here.
 SUBCOMMANDS: dict[str, Subcommand] = {
     cmd.name: cmd
     for cmd in (
         Subcommand("launch", "run a script or module in N local processes (rank-prefixed output)", _launch_cli),
         Subcommand("doctor", "versions, devices, world and a collective self-test with bandwidth", _doctor_cli),
+        Subcommand("halos", "friends-of-friends halo catalogue (HDF5) and mass function from a snapshot or ICs",
+                   _halos_cli),
     )
 }
 

@@ -1,10 +1,13 @@
-"""Spatial search on particles (``sx.spatial``): exact k nearest neighbours on cell grids.
+"""Spatial search on particles (``sx.spatial``): exact k nearest neighbours and friends-of-friends groups.
 
-:func:`knn` is the local-view function (one device, or the body of an ``sx.smap``); ``knn.smap`` is its global
-version on ``(ndev, n, ...)`` particle arrays.
+:func:`knn` and :func:`fof` are local-view functions (one device, or the body of an ``sx.smap``); ``knn.smap`` and
+``fof.smap`` are their global versions on ``(ndev, n, ...)`` particle arrays. :class:`Catalogue` holds FoF groups.
 """
 
+from ._catalogue import Catalogue as Catalogue
+from ._fof import FofResult as FofResult
+from ._fof import fof as fof
 from ._knn import KnnResult as KnnResult
 from ._knn import knn as knn
 
-__all__ = ["KnnResult", "knn"]
+__all__ = ["Catalogue", "FofResult", "KnnResult", "fof", "knn"]
