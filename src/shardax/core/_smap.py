@@ -119,7 +119,7 @@ def _positional(f: Callable, signature: inspect.Signature) -> Callable:
 
     @functools.wraps(f)
     def call(*args: Any) -> Any:
-        return f(*args[:n_pos], **dict(zip(kw_names, args[n_pos:], strict=True)))
+        return f(*args[:n_pos], **dict(zip(kw_names, args[n_pos:], strict=False)))  # absent: defaults
 
     return call
 

@@ -12,6 +12,7 @@ process) or :func:`configure_watchdog`.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import dataclasses
@@ -42,6 +43,8 @@ class _Watchdog:
         self.queue: collections.deque[_Pending] = collections.deque()
         self.cond = threading.Condition()
         self.threads_started = False
+        self.stopping = False
+        self.waiter: threading.Thread | None = None
         self.last_done = ""
         self.process = (0, 1)  # (index, count), read in the caller's thread: the monitor never calls into JAX
 
@@ -56,9 +59,12 @@ class _Watchdog:
             return
         with self.cond:
             if not self.threads_started:
-                threading.Thread(target=self._waiter, name="shardax-watchdog-waiter", daemon=True).start()
+                self.waiter = threading.Thread(target=self._waiter, name="shardax-watchdog-waiter", daemon=True)
+                self.waiter.start()
                 threading.Thread(target=self._monitor, name="shardax-watchdog", daemon=True).start()
                 self.threads_started = True
+                # Stop before interpreter finalization: a daemon thread caught inside a JAX call then aborts.
+                atexit.register(self._stop)
             self.process = (jax.process_index(), jax.process_count())
             self.queue.append(_Pending(number, description, time.monotonic(), outputs, timeout))
             self.cond.notify_all()
@@ -66,8 +72,10 @@ class _Watchdog:
     def _waiter(self) -> None:
         while True:
             with self.cond:
-                while not self.queue:
+                while not self.queue and not self.stopping:
                     self.cond.wait()
+                if self.stopping:
+                    return
                 item = self.queue[0]
             # A failure surfaces in the caller's thread; the call is over either way.
             with contextlib.suppress(Exception):
@@ -79,7 +87,7 @@ class _Watchdog:
                 item.outputs = None
 
     def _monitor(self) -> None:
-        while True:
+        while not self.stopping:
             time.sleep(0.5)
             with self.cond:
                 oldest = self.queue[0] if self.queue else None
@@ -89,6 +97,14 @@ class _Watchdog:
             age = time.monotonic() - oldest.started
             if age > limit:
                 self._fire(oldest, age)
+
+    def _stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.queue.clear()
+            self.cond.notify_all()
+        if self.waiter is not None:
+            self.waiter.join(timeout=10.0)
 
     def _fire(self, item: _Pending, age: float) -> None:
         me, count = self.process
