@@ -143,10 +143,9 @@ def check_shift_sendrecv_barrier(mesh: Mesh) -> None:
     np.testing.assert_array_equal(out, xs)
 
 
-def _alltoallv_case(mesh: Mesh, counts: np.ndarray, capacity: int, chunk: int | None = None) -> None:
-    """counts[s, d] rows from rank s to rank d; row values encode (source, destination, index)."""
-    size = mesh.devices.size
-    n = int(max(counts.sum(1).max(), 1))
+def traffic_rows(counts: np.ndarray, n: int) -> np.ndarray:
+    """``(size, n, 2)`` send rows for ``counts[s, d]`` rows from rank s to rank d, each encoding (s * 1000 + d, i)."""
+    size = len(counts)
     rows = np.zeros((size, n, 2), np.int32)
     for s in range(size):
         k = 0
@@ -154,6 +153,13 @@ def _alltoallv_case(mesh: Mesh, counts: np.ndarray, capacity: int, chunk: int | 
             for i in range(counts[s, d]):
                 rows[s, k] = (s * 1000 + d, i)
                 k += 1
+    return rows
+
+
+def _alltoallv_case(mesh: Mesh, counts: np.ndarray, capacity: int, chunk: int | None = None) -> None:
+    """counts[s, d] rows from rank s to rank d; row values encode (source, destination, index)."""
+    size = mesh.devices.size
+    rows = traffic_rows(counts, int(max(counts.sum(1).max(), 1)))
     data, recv, overflow = run(
         mesh, lambda x, c: sx.comm.alltoallv(x, c, capacity=capacity, chunk=chunk), rows, counts.astype(np.int32))
     data, recv, overflow = to_numpy(data), to_numpy(recv), to_numpy(overflow)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
-from comm_checks import to_numpy
+from comm_checks import to_numpy, traffic_rows
 from conftest import make_mesh
 
 SIZE, ROWS = 4, 16
@@ -55,13 +55,7 @@ def traffic(draw):
 @given(traffic())
 def test_alltoallv_fuzz(case):
     counts, capacity = case
-    rows = np.zeros((SIZE, ROWS, 2), np.int32)
-    for s in range(SIZE):
-        k = 0
-        for d in range(SIZE):
-            for i in range(counts[s, d]):
-                rows[s, k] = (s * 1000 + d, i)
-                k += 1
+    rows = traffic_rows(counts, ROWS)
     data, recv, overflow = (to_numpy(a) for a in _alltoallv_fn(capacity)(rows, counts.astype(np.int32)))
     for d in range(SIZE):
         expected = [(s * 1000 + d, i) for s in range(SIZE) for i in range(counts[s, d])]
