@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -20,9 +21,9 @@ SEEN = ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODE
 
 def reports(output: str) -> list[dict]:
     """The ``WORLD`` reports in a launcher's output, by process id."""
-    # mpirun merges the ranks' streams, so another rank's text may follow a report on the same line.
+    # mpirun merges the ranks' streams, so several reports (or other text) can share one line: decode every one.
     decoder = json.JSONDecoder()
-    found = [decoder.raw_decode(line.split("WORLD ", 1)[1])[0] for line in output.splitlines() if "WORLD {" in line]
+    found = [decoder.raw_decode(output, m.end())[0] for m in re.finditer(r"WORLD (?=\{)", output)]
     return sorted(found, key=lambda r: r["process_id"])
 
 
@@ -54,7 +55,8 @@ def main() -> int:
               "local_device_count": world.local_device_count, "device_count": world.device_count,
               "mode": world.mode, "allreduce": int(np.asarray(total.addressable_shards[0].data).ravel()[0]),
               "env": {k: os.environ[k] for k in SEEN if k in os.environ}}
-    print("WORLD " + json.dumps(report), flush=True)
+    sys.stdout.write("WORLD " + json.dumps(report) + "\n")  # one write: the newline cannot be separated from it
+    sys.stdout.flush()
     # the watchdog's monitor thread can restart the backend while the interpreter exits (reported to the lead)
     sx.runtime.configure_watchdog(0)
     return 0
