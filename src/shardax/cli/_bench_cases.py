@@ -1,0 +1,445 @@
+"""The cases of ``shardax bench``: each kernel timed back to back with its anchor, and the worker that runs them.
+
+A worker is one process (or one rank of a launched run) with a fixed number of CPU devices: the parent
+(:mod:`shardax.cli._bench`) writes a plan, starts ``python -m shardax.cli._bench_cases PLAN`` with the device count
+it wants, and reads back one JSON line per timing that rank 0 appends to the plan's result file. The NumPy/SciPy
+anchors here are also the references of the scripts in ``benchmarks/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+Versus = Literal["anchor", "1 device"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A goal from docs/benchmarks.md: ``shardax time / reference time <= limit``.
+
+    Attributes:
+        limit: the largest ratio that meets the goal.
+        versus: the reference: the anchor of the same run, or shardax itself on one device (same size).
+        text: the goal as the docs state it.
+    """
+
+    limit: float
+    versus: Versus
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One benchmarked kernel.
+
+    Attributes:
+        name: the name ``--only`` takes.
+        anchors: short name -> what the anchor is, one entry per reference the kernel is timed against.
+        size_format: how a size reads in the table (``"{:,} pts"``).
+        quick_sizes: sizes of ``--quick``, ascending; the last one is used for the device sweep.
+        full_sizes: sizes of a full run, ascending.
+        targets: anchor short name -> goal at one device (and on every device count when ``scaling`` is None).
+        scaling: goal on more than one device, against shardax on one device; None: ``targets`` applies.
+        min_devices: fewest devices the kernel means something on.
+        needs: modules the anchors import (a missing one turns the rows into skipped rows).
+    """
+
+    name: str
+    anchors: Mapping[str, str]
+    size_format: str
+    quick_sizes: tuple[int, ...]
+    full_sizes: tuple[int, ...]
+    targets: Mapping[str, Target]
+    scaling: Target | None = None
+    min_devices: int = 1
+    needs: tuple[str, ...] = ()
+
+    def sizes(self, quick: bool) -> tuple[int, ...]:
+        return self.quick_sizes if quick else self.full_sizes
+
+
+_SCALING = Target(1.5, "1 device", "<= 1.5x 1 dev")
+_NO_SLOWER = Target(1.0, "anchor", "<= 1.0x")
+
+KERNELS: dict[str, Kernel] = {k.name: k for k in (
+    Kernel("allreduce", {"lax.psum": "jax.lax.psum in jax.shard_map (what allreduce wraps)",
+                         "mpi4jax": "mpi4jax.allreduce under mpirun -n 2, one device per process"},
+           "{:,} f32/dev", (1 << 16, 1 << 18), (1 << 16, 1 << 18, 1 << 20),
+           {"mpi4jax": _NO_SLOWER}, min_devices=2),
+    Kernel("alltoallv", {"all_to_all": "tiled lax.all_to_all of the same bytes (16 f32 per row)"},
+           "{:,} rows/dev", (1 << 12, 1 << 14), (1 << 13, 1 << 15, 1 << 17),
+           {"all_to_all": Target(1.5, "anchor", "<= 1.5x")}, min_devices=2),
+    Kernel("zsort", {"NumPy": "NumPy Morton keys (21 bits/axis) + argsort + gather of pos, ids, mass"},
+           "{:,} pts", (1 << 15, 1 << 17), (100_000, 300_000, 1_000_000), {"NumPy": _NO_SLOWER}, _SCALING),
+    Kernel("knn", {"cKDTree": "scipy cKDTree build + query(k=9, workers=-1)"},
+           "{:,} pts", (1 << 14, 1 << 16), (100_000, 300_000, 1_000_000), {"cKDTree": _NO_SLOWER}, _SCALING,
+           needs=("scipy",)),
+    Kernel("fof", {"scipy FoF": "cKDTree.query_pairs + csgraph.connected_components, b=0.2, periodic"},
+           "{:,} pts", (1 << 14, 1 << 16), (100_000, 300_000, 1_000_000), {"scipy FoF": _NO_SLOWER}, _SCALING,
+           needs=("scipy",)),
+    Kernel("potrs", {"cho_solve": "scipy cho_factor + cho_solve, float64, 1 right-hand side"},
+           "N={}", (512, 1024), (1024, 2048, 4096),
+           {"cho_solve": Target(1 / 0.7, "anchor", ">= 0.7x GFLOP/s")}, needs=("scipy",)),
+    Kernel("syevd", {"eigh": "scipy.linalg.eigh, float64"},
+           "N={}", (128, 256), (256, 512, 1024), {"eigh": Target(3.0, "anchor", "<= 3x")}, needs=("scipy",)),
+    Kernel("fftn", {"jnp.fft": "jnp.fft.fftn on one device (jit)",
+                    "jaxdecomp": "jaxdecomp pfft3d(backend='JAX') on the same slab mesh"},
+           "{}^3 c64", (32, 64), (64, 128, 256),
+           {"jnp.fft": Target(1.5, "anchor", "<= 1.5x"), "jaxdecomp": _NO_SLOWER}),
+)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Anchors (NumPy / SciPy), shared with benchmarks/.
+
+def numpy_zsort(pos: np.ndarray, ids: np.ndarray, mass: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The NumPy z-sort: 21-bit-per-axis Morton keys over the box [0, 1), argsort, gather."""
+    cells = np.minimum(np.floor(pos * np.float32(2**21)).astype(np.uint64), np.uint64(2**21 - 1))
+    key = np.zeros(len(pos), np.uint64)
+    for k in range(3):
+        x = cells[:, k]
+        for shift, mask in ((32, 0x1F00000000FFFF), (16, 0x1F0000FF0000FF), (8, 0x100F00F00F00F00F),
+                            (4, 0x10C30C30C30C30C3), (2, 0x1249249249249249)):
+            x = (x | (x << np.uint64(shift))) & np.uint64(mask)
+        key |= x << np.uint64(k)
+    order = np.argsort(key)
+    return pos[order], ids[order], mass[order]
+
+
+def scipy_fof(pos: np.ndarray, linking_length: float, box: float = 1.0) -> np.ndarray:
+    """Friends-of-friends labels (component ids) in a periodic box: ``query_pairs`` + ``connected_components``."""
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+    from scipy.spatial import cKDTree  # pyright: ignore[reportAttributeAccessIssue]
+
+    pairs = cKDTree(pos, boxsize=box).query_pairs(linking_length, output_type="ndarray")
+    n = len(pos)
+    graph = coo_matrix((np.ones(len(pairs), np.int8), (pairs[:, 0], pairs[:, 1])), shape=(n, n))
+    return connected_components(graph, directed=False)[1]
+
+
+def time_rounds(fns: Mapping[str, Callable[[], Any]], repeat: int) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Time each function ``repeat`` times, round-robin, so that load changes on a shared machine hit all alike.
+
+    Returns:
+        ``(first, times)``: the seconds of each function's first (warm-up, compiling) call, and its timed calls.
+    """
+    import jax
+
+    first: dict[str, float] = {}
+    for name, fn in fns.items():
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        first[name] = time.perf_counter() - start
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - start)
+    return first, times
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The cases, run in a worker: each returns one timing per anchor.
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """The raw timings of one kernel against one anchor (seconds)."""
+
+    kernel: str
+    anchor: str
+    size: int
+    shardax_s: list[float]
+    anchor_s: list[float]
+    first_call_s: float
+    extra: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+class Context:
+    """The worker's world: a flat mesh of every device, and whether this rank times the anchors (rank 0 only)."""
+
+    def __init__(self, repeat: int):
+        import jax
+
+        from ..runtime import flat_mesh, world
+
+        self.repeat = repeat
+        self.world = world()
+        self.mesh = flat_mesh()
+        self.axis = self.mesh.axis_names[0]
+        self.devices = self.mesh.devices.ravel()
+        self.main = jax.process_index() == 0
+
+    def put(self, host: np.ndarray, spec: Any, mesh: Any = None) -> Any:
+        """The global array ``host`` (the same on every process) with sharding ``spec`` on ``mesh`` (default: flat)."""
+        import jax
+        from jax.sharding import NamedSharding
+
+        return jax.make_array_from_callback(host.shape, NamedSharding(mesh or self.mesh, spec), lambda i: host[i])
+
+    def particles(self, pos: np.ndarray, mass: np.ndarray | None = None) -> Any:
+        """Global particles: every process passes its own contiguous share of the rows."""
+        from ..particles import from_numpy
+
+        rows = np.array_split(np.arange(len(pos)), self.world.num_processes)[self.world.process_id]
+        if mass is None:
+            return from_numpy(pos[rows], mesh=self.mesh)
+        return from_numpy(pos[rows], mesh=self.mesh, mass=mass[rows])
+
+    def time(self, kernel: str, size: int, shardax: Callable[[], Any], anchors: Mapping[str, Callable[[], Any]],
+             *, collective: Sequence[str] = (), flops: float | None = None, setup_s: float = 0.0) -> list[Timing]:
+        """Time ``shardax`` and each anchor in the same rounds; one :class:`Timing` per anchor.
+
+        Host anchors (NumPy, SciPy, one device) run on rank 0 only, while the other ranks wait in shardax's next
+        collective; the anchors named in ``collective`` span every process, so every rank runs them.
+        ``setup_s``: seconds of earlier calls of ``shardax`` (capacity retries), counted in its first call.
+        """
+        fns = {"shardax": shardax, **{k: f for k, f in anchors.items() if self.main or k in collective}}
+        first, times = time_rounds(fns, self.repeat)
+        out = []
+        for name in anchors:
+            theirs = times.get(name, [])
+            extra = {}
+            if flops is not None and theirs:
+                extra = {"shardax_gflops": flops / float(np.median(times["shardax"])) / 1e9,
+                         "anchor_gflops": flops / float(np.median(theirs)) / 1e9}
+            out.append(Timing(kernel, name, size, times["shardax"], theirs, setup_s + first["shardax"], extra))
+        return out
+
+
+def _points(n: int) -> np.ndarray:
+    return np.random.default_rng(0).random((n, 3), dtype=np.float32)
+
+
+def _retry_capacity(call: Callable[..., Any], fallback: Mapping[str, int] | None = None,
+                    ) -> tuple[Callable[[], Any], float]:
+    """``call(**options)`` with the capacities a :class:`~shardax.CapacityError` asks for, found by calling it.
+
+    An error that names no argument or size gets ``fallback`` (once). Returns the callable and the seconds the
+    calls made here took (the first one compiles).
+    """
+    from .._errors import CapacityError
+
+    options: dict[str, int] = {}
+    start = time.perf_counter()
+    for _ in range(6):
+        try:
+            call(**options)
+            break
+        except CapacityError as err:
+            if err.argument is not None and err.needed is not None:
+                options[err.argument] = max(int(err.needed), 2 * options.get(err.argument, 0))
+            elif fallback is not None and not set(fallback) <= set(options):
+                options.update(fallback)
+            else:
+                raise
+    return (lambda: call(**options)), time.perf_counter() - start
+
+
+def _case_allreduce(ctx: Context, n: int) -> list[Timing]:
+    import jax
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    from ..comm import allreduce
+    from ..core import smap
+
+    x = ctx.put(np.ones((len(ctx.devices), n), np.float32), P(ctx.axis))
+    ours = smap(allreduce, in_specs=(P(ctx.axis),), out_specs=P(ctx.axis), mesh=ctx.mesh, jit=True)
+    theirs = jax.jit(jax.shard_map(lambda v: lax.psum(v, ctx.axis), mesh=ctx.mesh, in_specs=P(ctx.axis),
+                                   out_specs=P(ctx.axis)))
+    return ctx.time("allreduce", n, lambda: ours(x), {"lax.psum": lambda: theirs(x)}, collective=["lax.psum"])
+
+
+def _case_mpi4jax(ctx: Context, n: int) -> list[Timing]:
+    """shardax's allreduce and mpi4jax's in the same processes (started by ``mpirun``), every rank timing both."""
+    import jax
+    import mpi4jax  # type: ignore[import-not-found]
+    from jax.sharding import PartitionSpec as P
+    from mpi4py import MPI  # type: ignore[import-not-found]
+
+    from ..comm import allreduce
+    from ..core import smap
+
+    x = ctx.put(np.ones((len(ctx.devices), n), np.float32), P(ctx.axis))
+    ours = smap(allreduce, in_specs=(P(ctx.axis),), out_specs=P(ctx.axis), mesh=ctx.mesh, jit=True)
+    local = jax.device_put(np.ones(n, np.float32), jax.local_devices()[0])
+    theirs = jax.jit(lambda v: mpi4jax.allreduce(v, op=MPI.SUM, comm=MPI.COMM_WORLD))
+    first, times = time_rounds({"shardax": lambda: ours(x), "mpi4jax": lambda: theirs(local)}, ctx.repeat)
+    return [Timing("allreduce", "mpi4jax", n, times["shardax"], times["mpi4jax"], first["shardax"])]
+
+
+def _case_alltoallv(ctx: Context, rows: int, width: int = 16) -> list[Timing]:
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    from ..comm import alltoallv
+    from ..core import ALL, rank_info, smap
+
+    size = len(ctx.devices)
+    rng = np.random.default_rng(0)
+    counts = rng.multinomial(rows, [1 / size] * size, size=size).astype(np.int32)  # (source, destination)
+    capacity = int(counts.sum(0).max())
+    x = ctx.put(rng.standard_normal((size, rows, width)).astype(np.float32), P(ctx.axis))
+    c = ctx.put(counts, P(ctx.axis))
+
+    def tiled(v: Any) -> Any:
+        return lax.all_to_all(v.reshape(size, -1, width), rank_info().axis_names, 0, 0, tiled=True).reshape(-1, width)
+
+    ours = smap(lambda v, k: alltoallv(v, k, capacity=capacity)[0], in_specs=(ALL, ALL), out_specs=ALL,
+                mesh=ctx.mesh, jit=True)
+    theirs = smap(tiled, in_specs=(ALL,), out_specs=ALL, mesh=ctx.mesh, jit=True)
+    return ctx.time("alltoallv", rows, lambda: ours(x, c), {"all_to_all": lambda: theirs(x)},
+                    collective=["all_to_all"])
+
+
+def _case_zsort(ctx: Context, n: int) -> list[Timing]:
+    from ..particles import zsort
+
+    pos, ids, mass = _points(n), np.arange(n, dtype=np.int32), np.ones(n, np.float32)
+    part = ctx.particles(pos, mass=mass)
+    sort = zsort.smap(ctx.mesh)
+    return ctx.time("zsort", n, lambda: sort(part, box=1.0), {"NumPy": lambda: numpy_zsort(pos, ids, mass)})
+
+
+def _case_knn(ctx: Context, n: int, k: int = 9) -> list[Timing]:
+    from scipy.spatial import cKDTree  # pyright: ignore[reportAttributeAccessIssue]
+
+    from ..spatial import knn
+
+    pos = _points(n)
+    part = ctx.particles(pos)
+    search = knn.smap(ctx.mesh)
+    # knn's CapacityError carries no argument or size (only its message does): retry once with room for all rows.
+    ours, setup_s = _retry_capacity(lambda **options: search(part, k, **options), {"ghost_capacity": n})
+    return ctx.time("knn", n, ours, {"cKDTree": lambda: cKDTree(pos).query(pos, k=k, workers=-1)}, setup_s=setup_s)
+
+
+def _case_fof(ctx: Context, n: int, b: float = 0.2) -> list[Timing]:
+    from ..spatial import fof
+
+    pos = _points(n)
+    linking_length = b / n ** (1 / 3)
+    part = ctx.particles(pos)
+    groups = fof.smap(ctx.mesh)
+    ours, setup_s = _retry_capacity(
+        lambda **options: groups(part, linking_length, box=1.0, min_members=2, **options).labels)
+    return ctx.time("fof", n, ours, {"scipy FoF": lambda: scipy_fof(pos.astype(np.float64), linking_length)},
+                    setup_s=setup_s)
+
+
+def _case_potrs(ctx: Context, n: int) -> list[Timing]:
+    import jax
+    import scipy.linalg as sl
+    from jax.sharding import PartitionSpec as P
+
+    from ..linalg import potrs
+
+    rng = np.random.default_rng(0)
+    m = rng.standard_normal((n, n))
+    a = m @ m.T / n + np.eye(n)
+    b = rng.standard_normal((n, 1))
+    with jax.enable_x64(True):
+        ad, bd = ctx.put(a, P(None, ctx.axis)), ctx.put(b, P())
+        return ctx.time("potrs", n, lambda: potrs(ad, bd),
+                        {"cho_solve": lambda: sl.cho_solve(sl.cho_factor(a, lower=True), b)},
+                        flops=n**3 / 3 + 2 * n**2)
+
+
+def _case_syevd(ctx: Context, n: int) -> list[Timing]:
+    import jax
+    import scipy.linalg as sl
+    from jax.sharding import PartitionSpec as P
+
+    from ..linalg import syevd
+
+    m = np.random.default_rng(1).standard_normal((n, n))
+    a = (m + m.T) / 2
+    with jax.enable_x64(True):
+        ad = ctx.put(a, P(None, ctx.axis))
+        return ctx.time("syevd", n, lambda: syevd(ad), {"eigh": lambda: sl.eigh(a)})
+
+
+def _case_fftn(ctx: Context, n: int) -> list[Timing]:
+    import importlib.util
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from ..fft import fftn
+
+    host = (np.random.default_rng(0).standard_normal((n, n, n)) + 1j).astype(np.complex64)
+    slab = Mesh(ctx.devices.reshape(-1, 1), ("x", "y"))
+    x = ctx.put(host, P("x"), slab)
+    ours = jax.jit(lambda v: fftn(v, mesh=slab, spec=P("x"), layout="transposed"))
+    one = jax.device_put(host, jax.local_devices()[0])
+    single = jax.jit(jnp.fft.fftn)
+    anchors: dict[str, Callable[[], Any]] = {"jnp.fft": lambda: single(one)}
+    if len(ctx.devices) > 1 and importlib.util.find_spec("jaxdecomp") is not None:
+        import jaxdecomp  # type: ignore[import-not-found]
+
+        decomp_mesh = Mesh(ctx.devices.reshape(-1, 1), ("z", "y"))
+        xd = ctx.put(host, P("z", "y"), decomp_mesh)
+        decomp = jax.jit(lambda v: jaxdecomp.fft.pfft3d(v, backend="JAX"))
+        anchors["jaxdecomp"] = lambda: decomp(xd)
+    return ctx.time("fftn", n, lambda: ours(x), anchors, collective=["jaxdecomp"])
+
+
+CASES: dict[str, Callable[[Context, int], list[Timing]]] = {
+    "allreduce": _case_allreduce, "mpi4jax": _case_mpi4jax, "alltoallv": _case_alltoallv, "zsort": _case_zsort,
+    "knn": _case_knn, "fof": _case_fof, "potrs": _case_potrs, "syevd": _case_syevd, "fftn": _case_fftn,
+}
+
+
+def _short(seconds: Sequence[float]) -> str:
+    if not seconds:
+        return "-"
+    t = float(np.median(seconds))
+    return f"{t * 1e3:.1f} ms" if t < 1 else f"{t:.2f} s"
+
+
+def worker(plan_path: str) -> int:
+    """Run the cases of a plan on this process's devices; rank 0 appends one JSON line per timing to the result.
+
+    The plan (JSON) holds ``cases`` (``[kernel, size]`` pairs), ``repeat``, ``cpu_devices`` and ``result`` (the path
+    of the JSON-lines file). A failing case is written as ``{"kernel", "size", "error"}`` and the next one runs; on
+    several processes the error ends the run instead (the other ranks would wait for it in a collective).
+    """
+    from ..runtime import initialize
+
+    with open(plan_path) as f:
+        plan = json.load(f)
+    initialize(cpu_devices=plan["cpu_devices"])
+    ctx = Context(plan["repeat"])
+    for kernel, size in plan["cases"]:
+        try:
+            timings = CASES[kernel](ctx, size)
+        except Exception as err:
+            if ctx.world.num_processes > 1:
+                raise
+            records: list[dict[str, Any]] = [{"kernel": kernel, "size": size,
+                                              "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}]
+        else:
+            records = [dataclasses.asdict(t) for t in timings]
+        if not ctx.main:
+            continue
+        with open(plan["result"], "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+        for r in records:
+            line = r.get("error") or f"shardax {_short(r['shardax_s'])}, {r['anchor']} {_short(r['anchor_s'])}"
+            print(f"bench: {kernel} {size}: {line}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker(sys.argv[1]))

@@ -1,0 +1,104 @@
+"""``shardax bench``: a quick run of cheap kernels (table, JSON, plots), targets, skipped anchors and bad arguments."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from shardax.cli import _bench as bench
+from shardax.cli._bench import DeviceConfig, Row, parse_devices, run_cli
+from shardax.cli._bench_cases import KERNELS
+from shardax.cli._procs import JobResult
+
+
+def test_quick_run(tmp_path, capsys) -> None:
+    out = tmp_path / "bench"
+    # 2x2: two processes of two devices through shardax launch (allreduce's anchor runs on both, jnp.fft's on one).
+    code = run_cli(["--quick", "--only", "fftn,allreduce", "--devices", "1,2x2", "--out", str(out), "--plain"])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    header = next(line for line in text.splitlines() if line.startswith("kernel"))
+    assert header.split() == ["kernel", "anchor", "size", "devices", "shardax", "anchor", "time", "ratio", "target",
+                              "met"]
+    assert "fftn       jnp.fft" in text and "allreduce  lax.psum" in text
+
+    report = json.loads((out / "bench.json").read_text())
+    assert report["quick"] and report["repeat"] == 2 and report["devices"] == ["1", "2x2"]
+    assert report["machine"]["cores"] >= 1 and len(report["machine"]["load_average_start"]) == 3
+    ok = [r for r in report["rows"] if r["status"] == "ok"]
+    # fftn: both quick sizes on 1 device, the largest on 2x2; allreduce (2 devices at least): both sizes on 2x2.
+    got = sorted((r["kernel"], r["anchor"], r["size"], r["config"]) for r in ok)
+    assert got == [("allreduce", "lax.psum", 1 << 16, "2x2"), ("allreduce", "lax.psum", 1 << 18, "2x2"),
+                   ("fftn", "jnp.fft", 32, "1"), ("fftn", "jnp.fft", 64, "1"), ("fftn", "jnp.fft", 64, "2x2")]
+    for r in ok:
+        assert len(r["shardax_s"]) == len(r["anchor_s"]) == 2 and min(r["shardax_s"] + r["anchor_s"]) > 0
+        assert r["shardax_median_s"] == pytest.approx(np.median(r["shardax_s"]))
+        assert r["ratio"] == pytest.approx(r["shardax_median_s"] / r["anchor_median_s"])
+        assert r["first_call_s"] > 0
+    fft = next(r for r in ok if r["kernel"] == "fftn")
+    assert fft["target"] == "<= 1.5x" and fft["met"] == (fft["ratio"] <= 1.5)
+    skipped = {(r["kernel"], r["anchor"]): r["reason"] for r in report["rows"] if r["status"] == "skipped"}
+    if importlib.util.find_spec("mpi4jax") is None:
+        assert "mpi4jax not installed" in skipped["allreduce", "mpi4jax"]
+    if importlib.util.find_spec("jaxdecomp") is None:
+        assert "pip install jaxdecomp" in skipped["fftn", "jaxdecomp"]
+    assert not [r for r in report["rows"] if r["status"] == "failed"]
+    for name in ("time_vs_n.png", "time_vs_devices.png"):
+        assert (out / name).stat().st_size > 1000
+
+
+def test_scaling_target_against_one_device() -> None:
+    def row(config: str, devices: int, processes: int, shardax: float) -> Row:
+        return Row("knn", "cKDTree", 1000, config, devices, processes, shardax_median_s=shardax,
+                   anchor_median_s=1.0, ratio=shardax)
+
+    rows = [row("1", 1, 1, 2.0), row("8", 8, 1, 2.8), row("2x4", 8, 2, 3.2)]
+    bench._judge(rows, parse_devices("1,8,2x4"))
+    assert [r.target for r in rows] == ["<= 1.0x", "<= 1.5x 1 dev", "<= 1.5x 1 dev"]
+    assert [r.value for r in rows] == pytest.approx([2.0, 1.4, 1.6])
+    assert [r.met for r in rows] == [False, True, False]
+
+
+def test_failed_and_missing_cases_become_rows() -> None:
+    config = DeviceConfig(2, 4)
+    records = [{"kernel": "zsort", "size": 100, "error": "CapacityError: too small"}]
+    cases = [("zsort", 100), ("knn", 200)]
+    rows = bench._rows(records, cases, config, config.label, "rank 1 exited with code 1: boom")
+    assert [(r.kernel, r.status, r.config) for r in rows] == [("zsort", "failed", "2x4"), ("knn", "failed", "2x4")]
+    assert rows[0].reason == "CapacityError: too small" and "rank 1 exited" in rows[1].reason
+
+
+def test_failure_reason_names_the_exception() -> None:
+    sink = bench._ProgressSink("2x4")
+    sink.line("1", "stderr", "Traceback (most recent call last):")
+    sink.line("0", "stdout", "bench: zsort 100: shardax 1.0 ms, NumPy 1.0 ms")
+    sink.line("0", "stderr", "shardax._errors.CapacityError: fof: a device needed 5 rows")
+    sink.line("0", "stderr", "shardax: process 0 ends on an uncaught CapacityError (exit code 1)")
+    reason = sink.reason(JobResult(1, "rank 0 exited with code 1"))
+    assert reason == ("rank 0 exited with code 1; process 0: shardax._errors.CapacityError: fof: a device needed "
+                      "5 rows")
+
+
+def test_missing_scipy_is_a_skipped_row(monkeypatch) -> None:
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "scipy" else find_spec(name, *a))
+    rows, runnable = bench._skipped_rows([KERNELS["knn"], KERNELS["zsort"]], parse_devices("1"))
+    assert [k.name for k in runnable] == ["zsort"]
+    assert [(r.kernel, r.status, r.reason) for r in rows] == [
+        ("knn", "skipped", "scipy not installed (pip install scipy)")]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--only", "knn,nope"], "--only: unknown kernel(s) 'nope'; choose from allreduce, alltoallv, zsort"),
+    (["--devices", "2y4"], "--devices: '2y4' is neither N nor PxM"),
+    (["--devices", "0"], "--devices: '0' must count at least one process and one device"),
+    (["--repeat", "0"], "--repeat must be a positive integer"),
+])
+def test_bad_arguments(args, message, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        run_cli(args)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
