@@ -22,6 +22,8 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
 import numpy as np
 
+from shardax.cli._bench_cases import scipy_fof
+
 
 def _median_time(fn, repeat: int) -> float:
     times = []
@@ -30,17 +32,6 @@ def _median_time(fn, repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return float(np.median(times))
-
-
-def scipy_fof(pos: np.ndarray, linking_length: float) -> np.ndarray:
-    from scipy.sparse import coo_matrix
-    from scipy.sparse.csgraph import connected_components
-    from scipy.spatial import cKDTree
-
-    pairs = cKDTree(pos, boxsize=1.0).query_pairs(linking_length, output_type="ndarray")
-    n = len(pos)
-    graph = coo_matrix((np.ones(len(pairs), np.int8), (pairs[:, 0], pairs[:, 1])), shape=(n, n))
-    return connected_components(graph, directed=False)[1]
 
 
 def shardax_fof(pos: np.ndarray, linking_length: float, ndev: int):

@@ -26,7 +26,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,37 +38,17 @@ def _median_s(fn: Callable[[], Any], repeat: int) -> float:
 
 def _interleaved(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
     """Median seconds of each function, timed round-robin so that load changes hit them alike."""
-    import jax
+    from shardax.cli._bench_cases import time_rounds
 
-    for fn in fns.values():
-        jax.block_until_ready(fn())
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[name].append(time.perf_counter() - t0)
+    _, times = time_rounds(fns, repeat)
     return {name: statistics.median(t) for name, t in times.items()}
-
-
-def numpy_zsort(pos: np.ndarray, ids: np.ndarray, mass: np.ndarray) -> tuple[np.ndarray, ...]:
-    """The NumPy z-sort: 21-bit-per-axis Morton keys over the box [0, 1), argsort, gather."""
-    cells = np.minimum(np.floor(pos * np.float32(2**21)).astype(np.uint64), np.uint64(2**21 - 1))
-    key = np.zeros(len(pos), np.uint64)
-    for k in range(3):
-        x = cells[:, k]
-        for shift, mask in ((32, 0x1F00000000FFFF), (16, 0x1F0000FF0000FF), (8, 0x100F00F00F00F00F),
-                            (4, 0x10C30C30C30C30C3), (2, 0x1249249249249249)):
-            x = (x | (x << np.uint64(shift))) & np.uint64(mask)
-        key |= x << np.uint64(k)
-    order = np.argsort(key)
-    return pos[order], ids[order], mass[order]
 
 
 def single_process(n: int, repeat: int) -> dict[str, float]:
     import jax
 
     import shardax as sx
+    from shardax.cli._bench_cases import numpy_zsort
     from shardax.particles import uniform, zsort
 
     part = jax.jit(lambda: uniform(n, box=1.0, seed=0))()
