@@ -312,6 +312,9 @@ def _run_worker(config: DeviceConfig, cases: list[tuple[str, int]], repeat: int,
     else:
         job = launch_job(argv, num_processes=config.processes, cpu_devices=config.per_process, timeout_s=timeout_s,
                          sink=sink, env=env)
+    if job.signal_received is not None:
+        # Ctrl-C (or a termination) of this command ends the whole benchmark, not just this configuration.
+        raise KeyboardInterrupt(job.message)
     records = []
     if os.path.exists(result):
         with open(result) as f:

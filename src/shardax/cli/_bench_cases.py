@@ -437,7 +437,8 @@ def worker(plan_path: str) -> int:
             f.writelines(json.dumps(r) + "\n" for r in records)
         for r in records:
             line = r.get("error") or f"shardax {_short(r['shardax_s'])}, {r['anchor']} {_short(r['anchor_s'])}"
-            print(f"bench: {kernel} {size}: {line}", flush=True)
+            sys.stdout.write(f"bench: {kernel} {size}: {line}\n")
+            sys.stdout.flush()
     return 0
 
 
