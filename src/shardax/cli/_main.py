@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from .._version import __version__
+from ._demo import run_cli as _demo_cli
 from ._doctor import run_cli as _doctor_cli
 from ._halos import run_cli as _halos_cli
 from ._launch import run_cli as _launch_cli
@@ -34,6 +35,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     for cmd in (
         Subcommand("launch", "run a script or module in N local processes (rank-prefixed output)", _launch_cli),
         Subcommand("doctor", "versions, devices, world and a collective self-test with bandwidth", _doctor_cli),
+        Subcommand("demo", "every capability on 2 processes x 4 CPU devices, checked: table and plots", _demo_cli),
         Subcommand("halos", "friends-of-friends halo catalogue (HDF5) and mass function from a snapshot or ICs",
                    _halos_cli),
     )
