@@ -64,7 +64,7 @@ def test_scaling_target_against_one_device() -> None:
 
 def test_failed_and_missing_cases_become_rows() -> None:
     config = DeviceConfig(2, 4)
-    records = [{"kernel": "zsort", "size": 100, "error": "CapacityError: too small"}]
+    records = [{"case": "zsort", "kernel": "zsort", "size": 100, "error": "CapacityError: too small"}]
     cases = [("zsort", 100), ("knn", 200)]
     rows = bench._rows(records, cases, config, config.label, "rank 1 exited with code 1: boom")
     assert [(r.kernel, r.status, r.config) for r in rows] == [("zsort", "failed", "2x4"), ("knn", "failed", "2x4")]

@@ -326,15 +326,12 @@ def _run_worker(config: DeviceConfig, cases: list[tuple[str, int]], repeat: int,
 
 def _rows(records: list[dict[str, Any]], cases: list[tuple[str, int]], config: DeviceConfig, label: str,
           error: str | None) -> list[Row]:
+    """The table rows of one worker's records; cases without a record failed with ``error``."""
     rows = []
-    done = set()
     for r in records:
-        kernel = "allreduce" if r["kernel"] == "mpi4jax" else r["kernel"]
-        done.add((r["kernel"], r["size"]))
-        anchor = r.get("anchor", "mpi4jax" if r["kernel"] == "mpi4jax" else "")
-        row = Row(kernel, anchor, r["size"], label, config.devices, config.processes)
+        row = Row(_kernel_of(r["case"]), r.get("anchor") or _first_anchor(r["case"]), r["size"], label,
+                  config.devices, config.processes)
         if "error" in r:
-            row.anchor = row.anchor or next(iter(KERNELS[kernel].anchors))
             row.status, row.reason = "failed", r["error"]
         else:
             row.shardax_s, row.anchor_s = r["shardax_s"], r["anchor_s"]
@@ -344,13 +341,19 @@ def _rows(records: list[dict[str, Any]], cases: list[tuple[str, int]], config: D
                 row.anchor_median_s = float(np.median(row.anchor_s))
                 row.ratio = row.shardax_median_s / row.anchor_median_s
         rows.append(row)
-    for kernel, size in cases:
-        if (kernel, size) not in done:
-            name = "allreduce" if kernel == "mpi4jax" else kernel
-            anchor = "mpi4jax" if kernel == "mpi4jax" else next(iter(KERNELS[name].anchors))
-            rows.append(Row(name, anchor, size, label, config.devices, config.processes, status="failed",
-                            reason=error or "the worker ended without a result"))
+    done = {(r["case"], r["size"]) for r in records}
+    rows += [Row(_kernel_of(case), _first_anchor(case), size, label, config.devices, config.processes,
+                 status="failed", reason=error or "the worker ended without a result")
+             for case, size in cases if (case, size) not in done]
     return rows
+
+
+def _kernel_of(case: str) -> str:
+    return "allreduce" if case == "mpi4jax" else case
+
+
+def _first_anchor(case: str) -> str:
+    return "mpi4jax" if case == "mpi4jax" else next(iter(KERNELS[case].anchors))
 
 
 def _judge(rows: list[Row], configs: Sequence[DeviceConfig]) -> None:

@@ -411,8 +411,9 @@ def _short(seconds: Sequence[float]) -> str:
 def worker(plan_path: str) -> int:
     """Run the cases of a plan on this process's devices; rank 0 appends one JSON line per timing to the result.
 
-    The plan (JSON) holds ``cases`` (``[kernel, size]`` pairs), ``repeat``, ``cpu_devices`` and ``result`` (the path
-    of the JSON-lines file). A failing case is written as ``{"kernel", "size", "error"}`` and the next one runs; on
+    The plan (JSON) holds ``cases`` (``[case, size]`` pairs, a case being a kernel name or ``"mpi4jax"``),
+    ``repeat``, ``cpu_devices`` and ``result`` (the path of the JSON-lines file). Each record names its ``case``. A
+    failing case is written as ``{"case", "kernel", "size", "error"}`` and the next one runs; on
     several processes the error ends the run instead (the other ranks would wait for it in a collective).
     """
     from ..runtime import initialize
@@ -431,6 +432,8 @@ def worker(plan_path: str) -> int:
                                               "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}]
         else:
             records = [dataclasses.asdict(t) for t in timings]
+        for r in records:
+            r["case"] = kernel
         if not ctx.main:
             continue
         with open(plan["result"], "a") as f:
