@@ -33,6 +33,8 @@ def _cells(row: Row) -> tuple[str, ...]:
     target = row.target
     if row.versus == "1 device":
         target += f": {row.value:.2f}x" if row.value is not None else ": no 1-dev run"
+    elif "GFLOP/s" in target and row.ratio:
+        target += f": {1 / row.ratio:.2f}x"  # shardax's GFLOP/s over the anchor's: the inverse time ratio
     met = "-" if row.met is None else "yes" if row.met else "no"
     return (row.kernel, row.anchor, _size(row), row.config,
             _seconds(row.shardax_median_s, row.extra.get("shardax_gflops")),
@@ -79,6 +81,9 @@ def print_table(rows: Sequence[Row], kernels: Sequence[Kernel], machine: dict[st
         sys.stdout.flush()
         return
     console = Console(highlight=False)
+    if not console.is_terminal:
+        # A file or a pipe: no terminal width to fit, and 80 columns would fold every cell.
+        console = Console(highlight=False, width=200)
     table = Table(title="shardax bench", title_justify="left")
     for i, name in enumerate(_HEADER):
         table.add_column(name, justify="right" if 4 <= i < 7 else "left")
