@@ -17,11 +17,11 @@ SCRIPT = str(Path(__file__).parent / "scripts" / "diverge.py")
 pytestmark = pytest.mark.multiprocess
 
 
-def _launch(monkeypatch, scenario, **env):
+def _launch(monkeypatch, *args, **env):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     t0 = time.monotonic()
-    result = sx.testing.launch_script(SCRIPT, scenario, num_processes=2, cpu_devices=2, timeout_s=120)
+    result = sx.testing.launch_script(SCRIPT, *args, num_processes=2, cpu_devices=2, timeout_s=120)
     return result, time.monotonic() - t0
 
 
@@ -33,6 +33,7 @@ def test_guard_names_the_disagreeing_shapes(monkeypatch):
         "with argument 'x' of step float32(4, 1500), process" in result.output, result.output
     assert "finished" not in result.output
     assert elapsed < 30, elapsed
+    print(f"[reliability] guard, different shapes: run ended after {elapsed:.1f} s, start-up included")
 
 
 def test_guard_times_out_on_a_process_running_an_old_program(monkeypatch):
@@ -40,6 +41,7 @@ def test_guard_times_out_on_a_process_running_an_old_program(monkeypatch):
     assert result.returncode != 0
     assert "process 1 did not reach shardax's program check #2 within 5 s" in result.output, result.output
     assert elapsed < 40, elapsed
+    print(f"[reliability] guard timeout 5 s, stale program: run ended after {elapsed:.1f} s, start-up included")
 
 
 def test_strict_guard_catches_it_at_once(monkeypatch):
@@ -47,6 +49,7 @@ def test_strict_guard_catches_it_at_once(monkeypatch):
     assert result.returncode != 0
     assert "ProgramMismatchError" in result.output and "float32(4, 2000)" in result.output, result.output
     assert elapsed < 30, elapsed
+    print(f"[reliability] strict guard, old program re-run: run ended after {elapsed:.1f} s, start-up included")
 
 
 def test_watchdog_reports_and_ends_a_stuck_run(monkeypatch):
@@ -55,24 +58,36 @@ def test_watchdog_reports_and_ends_a_stuck_run(monkeypatch):
     assert "shardax watchdog: process 0: distributed call #2" in result.output, result.output
     assert "process 1: no report" in result.output
     assert elapsed < 40, elapsed
+    print(f"[reliability] watchdog 4 s, sleeping rank: run ended after {elapsed:.1f} s, start-up included")
 
 
-def test_dead_process_ends_the_run(monkeypatch):
-    result, elapsed = _launch(monkeypatch, "die", SHARDAX_GUARD="off")
-    assert result.returncode == 3, result.output
-    assert "rank 1 exited with code 3" in result.output, result.output
+@pytest.mark.parametrize(("cause", "code", "message"), [
+    ("exit", 3, "rank 1 exited with code 3"),
+    ("kill", 137, "rank 1 was killed by SIGKILL"),
+    ("raise", 1, "rank 1 exited with code 1"),
+])
+def test_dead_process_ends_the_run(monkeypatch, cause, code, message):
+    result, elapsed = _launch(monkeypatch, "die", cause, SHARDAX_GUARD="off")
+    assert result.returncode == code, result.output
+    assert message in result.output, result.output
+    if cause == "raise":
+        assert "RuntimeError: process 1 fails on purpose" in result.output, result.output
+    assert "finished" not in result.output
     assert elapsed < 30, elapsed
+    print(f"[reliability] process 1 died by {cause}: run ended after {elapsed:.1f} s, start-up included")
 
 
 @pytest.mark.mpi
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
-def test_dead_process_ends_the_run_under_mpirun():
+@pytest.mark.parametrize("cause", ["exit", "kill"])
+def test_dead_process_ends_the_run_under_mpirun(cause):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDAX_")}
     env.update(JAX_NUM_CPU_DEVICES="2", SHARDAX_GUARD="off", JAX_PLATFORMS="cpu")
     t0 = time.monotonic()
     out = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, SCRIPT,
-                          "die"], capture_output=True, text=True, timeout=120, env=env)
+                          "die", cause], capture_output=True, text=True, timeout=120, env=env)
     elapsed = time.monotonic() - t0
     assert out.returncode != 0
     assert "finished" not in out.stdout
     assert elapsed < 40, (elapsed, out.stdout, out.stderr)
+    print(f"[reliability] mpirun, process 1 died by {cause}: run ended after {elapsed:.1f} s")

@@ -1,6 +1,7 @@
 """A two-process program that goes wrong on purpose, in the way named by argv[1] (see tests/test_reliability.py)."""
 
 import os
+import signal
 import sys
 import time
 
@@ -39,9 +40,14 @@ elif scenario == "watchdog":
     if me == 1:
         time.sleep(300)
     f(rows(1000)).block_until_ready()
-elif scenario == "die":
+elif scenario == "die":  # argv[2]: how process 1 dies while process 0 waits in a collective
     if me == 1:
         time.sleep(1)
+        cause = sys.argv[2] if len(sys.argv) > 2 else "exit"
+        if cause == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif cause == "raise":
+            raise RuntimeError("process 1 fails on purpose")
         os._exit(3)
     f(rows(1000)).block_until_ready()
     f(rows(1000)).block_until_ready()
