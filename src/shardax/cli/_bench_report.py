@@ -159,6 +159,13 @@ def _time_vs_n(ax: Any, kernel: str, rows: list[Row]) -> None:
             if pts:
                 ax.plot(*zip(*pts, strict=True), "s--", label=anchor)
     _decorate(ax, kernel, KERNELS[kernel].size_format.replace("{:,}", "{}").format("n"))
+    sizes = sorted({r.size for r in rows if r.size is not None})
+    ax.set_xticks(sizes, labels=[_tick(s) for s in sizes])
+    ax.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
+
+
+def _tick(n: int) -> str:
+    return f"{n / 1e6:.3g}M" if n >= 10**6 else f"{n / 1e3:.3g}k" if n >= 10**4 else str(n)
 
 
 def _time_vs_devices(ax: Any, kernel: str, rows: list[Row]) -> None:
@@ -173,7 +180,9 @@ def _time_vs_devices(ax: Any, kernel: str, rows: list[Row]) -> None:
         if pts:
             ax.plot(*zip(*pts, strict=True), "s--", label=anchor)
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted({r.devices for r in rows}), labels=[str(d) for d in sorted({r.devices for r in rows})])
+    devices = sorted({r.devices for r in rows})
+    ax.set_xticks(devices, labels=[str(d) for d in devices])
+    ax.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
     size = KERNELS[kernel].size_format.format(rows[0].size)
     ax.set_title(f"{kernel}, {size}")
     ax.set_xlabel("CPU devices")
