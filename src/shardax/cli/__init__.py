@@ -1,4 +1,4 @@
-"""The ``shardax`` command line: ``launch``, ``doctor`` (and later ``demo``, ``halos``, ``bench``).
+"""The ``shardax`` command line: ``launch``, ``doctor``, ``demo``, ``halos`` and ``bench``.
 
 ``shardax.cli.launch`` is the Python form of ``shardax launch``.
 """

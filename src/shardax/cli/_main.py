@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from .._version import __version__
+from ._bench import run_cli as _bench_cli
 from ._demo import run_cli as _demo_cli
 from ._doctor import run_cli as _doctor_cli
 from ._halos import run_cli as _halos_cli
@@ -29,7 +30,6 @@ class Subcommand:
     run: Callable[[Sequence[str]], int]
 
 
-# Later subcommands (demo, bench) add one entry here.
 SUBCOMMANDS: dict[str, Subcommand] = {
     cmd.name: cmd
     for cmd in (
@@ -38,6 +38,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         Subcommand("demo", "every capability on 2 processes x 4 CPU devices, checked: table and plots", _demo_cli),
         Subcommand("halos", "friends-of-friends halo catalogue (HDF5) and mass function from a snapshot or ICs",
                    _halos_cli),
+        Subcommand("bench", "the benchmark suite: each kernel side by side with its anchor, ratios, JSON, plots",
+                   _bench_cli),
     )
 }
 
