@@ -1,8 +1,8 @@
 """``shardax bench``: every kernel side by side with its anchor on 1..8 CPU devices and 2 processes; table, JSON, plots.
 
-Run it as ``shardax bench ...`` or ``python -m shardax.cli._bench ...``. The number of CPU devices is fixed when a
+Run it as ``shardax bench ...`` or ``python -m shardax.cli bench ...``. The number of CPU devices is fixed when a
 JAX backend starts, so this process starts none: each device configuration runs in its own worker process
-(:mod:`shardax.cli._bench_cases`), ``PxM`` ones as ``P`` processes of ``M`` devices through ``shardax launch``.
+(:mod:`shardax.cli._bench_worker`), ``PxM`` ones as ``P`` processes of ``M`` devices through ``shardax launch``.
 """
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ def _run_worker(config: DeviceConfig, cases: list[tuple[str, int]], repeat: int,
     env.update({"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(config.per_process), "PYTHONUNBUFFERED": "1"})
     if cache_dir is not None:
         env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
-    argv = ["-m", "shardax.cli._bench_cases", plan]
+    argv = ["-m", "shardax.cli._bench_worker", plan]
     sink = _ProgressSink("mpirun" if mpi else config.label)
     job: JobResult
     if mpi:
@@ -402,6 +402,3 @@ def _machine(load_before: tuple[float, float, float]) -> dict[str, Any]:
             "platform": platform.platform(), "python": platform.python_version(), "shardax": __version__,
             **{p: _version(p) for p in ("jax", "jaxlib", "numpy", "scipy", "jaxdecomp", "mpi4jax")}}
 
-
-if __name__ == "__main__":
-    sys.exit(run_cli(sys.argv[1:]))

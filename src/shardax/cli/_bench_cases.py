@@ -1,7 +1,7 @@
 """The cases of ``shardax bench``: each kernel timed back to back with its anchor, and the worker that runs them.
 
 A worker is one process (or one rank of a launched run) with a fixed number of CPU devices: the parent
-(:mod:`shardax.cli._bench`) writes a plan, starts ``python -m shardax.cli._bench_cases PLAN`` with the device count
+(:mod:`shardax.cli._bench`) writes a plan, starts ``python -m shardax.cli._bench_worker PLAN`` with the device count
 it wants, and reads back one JSON line per timing that rank 0 appends to the plan's result file. The NumPy/SciPy
 anchors here are also the references of the scripts in ``benchmarks/``.
 """
@@ -444,6 +444,3 @@ def worker(plan_path: str) -> int:
             sys.stdout.flush()
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(worker(sys.argv[1]))

@@ -1,0 +1,11 @@
+"""``python -m shardax.cli._bench_worker PLAN``: one worker process of ``shardax bench`` (see ``_bench_cases.worker``).
+
+A module of its own that nothing imports: ``shardax.cli`` imports ``_bench_cases``, and running an imported module
+as ``__main__`` would load it a second time (with a RuntimeWarning).
+"""
+
+import sys
+
+from ._bench_cases import worker
+
+sys.exit(worker(sys.argv[1]))
