@@ -19,6 +19,8 @@ from ..runtime._env import detect
 from ._demo_table import REPORT_NAME, Report, exit_code, print_report, read_report
 from ._procs import ConsoleSink, Stream
 
+DEFAULT_CPU_DEVICES = 4
+
 
 def demo_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -29,7 +31,9 @@ def demo_parser() -> argparse.ArgumentParser:
                     "write plots. The exit code is non-zero if any check fails.")
     parser.add_argument("--processes", type=int, default=2, metavar="N",
                         help="local processes, started by `shardax launch` (default 2)")
-    parser.add_argument("--cpu-devices", type=int, default=4, metavar="M", help="CPU devices per process (default 4)")
+    parser.add_argument("--cpu-devices", type=int, default=None, metavar="M",
+                        help=f"CPU devices per process (default {DEFAULT_CPU_DEVICES}; inside a run started by "
+                             "another launcher, that launcher's setting)")
     parser.add_argument("--particles", type=int, default=30_000, metavar="P",
                         help="particles for zsort, kNN, FoF and the power spectrum (default 30000)")
     parser.add_argument("--matrix", type=int, default=256, metavar="N",
@@ -45,13 +49,15 @@ def demo_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check(parser: argparse.ArgumentParser, ns: argparse.Namespace, devices: int) -> None:
+def _check(parser: argparse.ArgumentParser, ns: argparse.Namespace, devices: int | None) -> None:
+    """Exit with a usage error naming the flag for a value the run cannot take (``devices``: the run's total, when
+    known)."""
     for flag, value, least in (("--processes", ns.processes, 1), ("--cpu-devices", ns.cpu_devices, 1),
                                ("--particles", ns.particles, 1000), ("--matrix", ns.matrix, 16),
                                ("--grid", ns.grid, 8)):
-        if value < least:
+        if value is not None and value < least:
             parser.error(f"{flag} must be at least {least}, got {value}")
-    if ns.grid % devices:
+    if devices is not None and ns.grid % devices:
         fit = ((ns.grid // devices) + 1) * devices
         parser.error(f"--grid {ns.grid} must be divisible by the {devices} devices of the run (slabs of the FFT); "
                      f"try --grid {fit}")
@@ -105,12 +111,14 @@ def run_cli(argv: Sequence[str]) -> int:
     ns = parser.parse_args(list(argv))
     launched = detect()
     if launched.source != "single":
-        # Already one process of a run: the world is the launcher's, and --cpu-devices the only size flag used.
-        _check(parser, ns, launched.num_processes * ns.cpu_devices)
+        # Already one process of a run: the world is the launcher's (--processes does not apply).
+        _check(parser, ns, None)
+        ns.cpu_devices = ns.cpu_devices or launched.cpu_devices
         from ._demo_body import run_demo
 
         return run_demo(ns, print_table=True)
-    _check(parser, ns, ns.processes * ns.cpu_devices)
+    _check(parser, ns, ns.processes * (ns.cpu_devices or DEFAULT_CPU_DEVICES))
+    ns.cpu_devices = ns.cpu_devices or DEFAULT_CPU_DEVICES
     from ._launch import launch_job
 
     report_path = os.path.join(ns.out, REPORT_NAME)

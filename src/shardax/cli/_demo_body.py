@@ -40,7 +40,7 @@ def run_demo(ns: argparse.Namespace, *, print_table: bool) -> int:
         sys.stderr.write(f"shardax demo: {err}\n")
         return 1
     lead = world.process_id == 0
-    where = (f"{world.device_count} {world.platform} devices ({world.num_processes} process(es) x "
+    where = (f"{world.device_count} {world.platform} device(s) ({world.num_processes} process(es) x "
              f"{world.local_device_count})")
     report_path = os.path.join(ns.out, REPORT_NAME)
     if lead:

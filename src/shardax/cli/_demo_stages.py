@@ -143,7 +143,7 @@ def runtime_and_collectives(ctx: Context) -> Outcome:
     values = _put(mesh, host, P("d"))
     outs, times = _timed(lambda: fn(values))
     got = {name: gather(value) for name, value in outs.items()}
-    scale = f"{ndev} devices ({w.num_processes} x {w.local_device_count})"
+    scale = f"{ndev} device{'s' if ndev > 1 else ''} ({w.num_processes} x {w.local_device_count})"
     reference = "NumPy, exact"
     if not ctx.lead:
         return Outcome(scale, *times, reference)

@@ -59,7 +59,7 @@ class Report:
         """This report plus a failed row for every ``expected`` capability it does not have (the run ended before
         it)."""
         done = {row.capability for row in self.rows}
-        missing = tuple(Row(name, "-", math.nan, math.nan, "-", False, ("did not run (the run ended before it)",))
+        missing = tuple(Row(name, "-", math.nan, math.nan, "-", False, ("did not finish: the run ended first",))
                         for name in expected if name not in done)
         return dataclasses.replace(self, rows=self.rows + missing)
 
