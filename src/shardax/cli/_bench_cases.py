@@ -422,25 +422,26 @@ def worker(plan_path: str) -> int:
         plan = json.load(f)
     initialize(cpu_devices=plan["cpu_devices"])
     ctx = Context(plan["repeat"])
-    for kernel, size in plan["cases"]:
+    for case, size in plan["cases"]:
         try:
-            timings = CASES[kernel](ctx, size)
+            timings = CASES[case](ctx, size)
         except Exception as err:
             if ctx.world.num_processes > 1:
                 raise
-            records: list[dict[str, Any]] = [{"kernel": kernel, "size": size,
-                                              "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}]
+            first_line = (str(err).splitlines() or [""])[0][:300]
+            records: list[dict[str, Any]] = [{"kernel": case, "size": size,
+                                              "error": f"{type(err).__name__}: {first_line}"}]
         else:
             records = [dataclasses.asdict(t) for t in timings]
         for r in records:
-            r["case"] = kernel
+            r["case"] = case
         if not ctx.main:
             continue
         with open(plan["result"], "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
         for r in records:
             line = r.get("error") or f"shardax {_short(r['shardax_s'])}, {r['anchor']} {_short(r['anchor_s'])}"
-            sys.stdout.write(f"bench: {kernel} {size}: {line}\n")
+            sys.stdout.write(f"bench: {case} {size}: {line}\n")
             sys.stdout.flush()
     return 0
 
