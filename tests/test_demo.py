@@ -102,7 +102,7 @@ def test_report_verdict_and_missing_capabilities(tmp_path) -> None:
     partial = Report("w", passed[:3]).with_missing()
     assert exit_code(Report("w", passed[:3])) == 1
     assert [r.ok for r in partial.rows] == [True] * 3 + [False] * 5
-    assert "knn density: did not finish: the run ended first" in format_plain(partial)
+    assert "fof + catalogue: did not finish: the run ended first" in format_plain(partial)
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"world": "w", "rows": [], "plots": [], "notes": []}))
     assert read_report(str(path)) == Report("w", ())
