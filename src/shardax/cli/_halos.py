@@ -1,7 +1,7 @@
 """``shardax halos``: friends-of-friends halo catalogue (HDF5) and mass function plot, from a snapshot or from
 generated initial conditions, on one process or many.
 
-Run it as ``shardax halos ...`` or ``python -m shardax.cli._halos ...``.
+Run it as ``shardax halos ...`` or ``python -m shardax.cli halos ...``.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def run_cli(argv: Sequence[str]) -> int:
     if ns.processes is not None and ENV_NUM_PROCESSES not in os.environ:
         from ._launch import launch
 
-        return launch(["-m", "shardax.cli._halos", *_forward(ns)], num_processes=ns.processes,
+        return launch(["-m", "shardax.cli", "halos", *_forward(ns)], num_processes=ns.processes,
                       cpu_devices=ns.cpu_devices, timeout_s=ns.timeout)
     try:
         return halos(ns)
@@ -236,6 +236,3 @@ def _summary(source: str, total: int, ll: float, spacing: float, ns: argparse.Na
     sys.stdout.write("\n".join(lines) + "\n")
     sys.stdout.flush()
 
-
-if __name__ == "__main__":
-    sys.exit(run_cli(sys.argv[1:]))
