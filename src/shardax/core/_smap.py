@@ -264,8 +264,11 @@ def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = N
             specs = (in_specs,) * len(args)
         static = tuple(i for i, s in enumerate(specs) if s is None)
         static_vals = tuple(args[i] for i in static)
+        # The built function bakes in the specs broadcast over each argument's pytree: a new structure (e.g. a
+        # particle set with or without mass) needs its own.
+        structure = tuple(jax.tree.structure(args[i]) for i in range(len(args)) if i not in static)
         try:
-            key = (the_mesh, static, static_vals)
+            key = (the_mesh, static, static_vals, structure)
             hash(key)
         except TypeError:
             bad = [arg_name(i) for i, v in zip(static, static_vals, strict=True) if not isinstance(v, Hashable)]
