@@ -103,9 +103,17 @@ def periodic_box(box: Box, dim: int, dtype: jnp.dtype) -> KeyBox:
     """The :class:`KeyBox` of a periodic box ``[0, box)`` (scalar or per-axis size)."""
     if isinstance(box, bool) or not isinstance(box, int | float | tuple | list | jax.Array | np.ndarray | np.generic):
         raise TypeError(f"box must be a positive number or a sequence of {dim} numbers, got {type(box).__name__}")
+    if not isinstance(box, Tracer):
+        # Checked on the given values: inside jit even a jnp copy of a Python number is a tracer.
+        try:
+            with np.errstate(over="ignore", under="ignore"):
+                values = np.asarray(box, np.float64).astype(np.dtype(dtype))
+        except (TypeError, ValueError):
+            raise TypeError(f"box must be a positive number or a sequence of {dim} numbers, got {box!r}") from None
+        if not np.all(np.isfinite(values) & (values >= np.finfo(values.dtype).tiny)):
+            raise ValueError(f"box must be positive and finite in {np.dtype(dtype).name} (the periodic box size per "
+                             f"axis; XLA flushes subnormal numbers to zero), got {box!r}")
     extent = _as_vector(box, dim, dtype, "box")
-    if not isinstance(extent, Tracer) and not bool(jnp.all(extent > 0)):
-        raise ValueError(f"box must be positive (the periodic box size per axis), got {np.asarray(extent)}")
     return KeyBox(jnp.zeros((dim,), dtype), extent, True)
 
 
@@ -137,7 +145,8 @@ def morton_key(pos: jax.Array, box: KeyBox, valid: jax.Array | None = None) -> t
     dim = pos.shape[1]
     bits = KEY_BITS_PER_DIM[dim]
     scale = float(1 << bits)
-    cells_per_length = jnp.asarray(scale, pos.dtype) / box.extent
+    # Capped: for extents below 2**B / max (about 6e-33 in float32) the ratio overflows and 0 * inf would be NaN.
+    cells_per_length = jnp.minimum(jnp.asarray(scale, pos.dtype) / box.extent, jnp.finfo(pos.dtype).max)
     f = jnp.clip(jnp.floor((wrap(pos, box) - box.origin[None, :]) * cells_per_length[None, :]), 0, scale)
     cells = jnp.minimum(f.astype(jnp.uint32), jnp.uint32((1 << bits) - 1))
     hi, lo = interleave(cells)
@@ -197,8 +206,9 @@ def morton_keys(pos: jax.Array, *, box: Box | None = None, num: jax.Array | int 
     pos = jnp.asarray(pos)
     if pos.ndim != 2 or pos.shape[1] not in KEY_BITS_PER_DIM:
         raise ValueError(f"pos must have shape (n, 2) or (n, 3), got {pos.shape}")
-    if not jnp.issubdtype(pos.dtype, jnp.floating):
-        raise TypeError(f"pos must be a floating-point array, got dtype {pos.dtype}")
+    if pos.dtype not in (jnp.float32, jnp.float64):
+        raise TypeError(f"pos must be a floating-point array of float32 or float64 (the key grid has 2**21 cells per "
+                        f"axis), got dtype {pos.dtype}; cast it with pos.astype(jnp.float32)")
     rows = jnp.arange(pos.shape[0], dtype=jnp.int32)
     valid = rows < (pos.shape[0] if num is None else jnp.asarray(num, jnp.int32))
     return morton_key(pos, key_box(pos, valid, box), valid)

@@ -72,8 +72,9 @@ def check_positions(part: Any, where: str) -> tuple[int, int]:
     if jnp.ndim(pos) != 2 or jnp.shape(pos)[1] not in (2, 3):
         raise ValueError(f"{where}: part.pos must have shape (n, 2) or (n, 3) (local view; one row per particle), "
                          f"got {jnp.shape(pos)}. Global (ndev, n, d) arrays go through the .smap version.")
-    if not jnp.issubdtype(jnp.result_type(pos), jnp.floating):
-        raise TypeError(f"{where}: part.pos must be a floating-point array, got dtype {jnp.result_type(pos)}")
+    if jnp.result_type(pos) not in (jnp.float32, jnp.float64):
+        raise TypeError(f"{where}: part.pos must be a floating-point array of float32 or float64, got dtype "
+                        f"{jnp.result_type(pos)}; cast it with pos.astype(jnp.float32)")
     if jnp.ndim(part.num) != 0:
         raise ValueError(f"{where}: part.num must be a scalar count in the local view, got shape "
                          f"{jnp.shape(part.num)}")

@@ -27,7 +27,7 @@ from .._errors import CapacityError
 from ..comm import allgather, allreduce, scan
 from ..core import ALL, rank_info, smap
 from ._domain import Domain, domain_of
-from ._morton import Box, KeyBox, key_box, morton_key, wrap
+from ._morton import Box, KeyBox, key_box, morton_key, periodic_box, wrap
 from ._particles import check_positions, map_rows, replace_field, with_num
 from ._rows import RowPack, resize_rows, send_rows, take_rows
 from ._sort import argsort_keys
@@ -274,6 +274,15 @@ def _global_zsort(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[...
 
     def call(part: Any, *, box: Box | None = None, equalize: bool = True, capacity: int | None = None,
              return_domain: bool = False, num_cells: int = 64) -> Any:
+        if getattr(part, "pos", None) is None or not hasattr(part, "num"):
+            raise TypeError(f"zsort.smap: part must be a global particle pytree with .pos and .num, got "
+                            f"{type(part).__name__}")
+        if jnp.ndim(part.pos) != 3:
+            raise ValueError(f"zsort.smap: part.pos must have shape (ndev, n, d) (e.g. from shardax.particles."
+                             f"from_numpy), got {jnp.shape(part.pos)}; call zsort() for the local view")
+        dtype = jnp.result_type(part.pos)
+        if box is not None and not isinstance(box, Tracer) and dtype in (jnp.float32, jnp.float64):
+            periodic_box(box, int(jnp.shape(part.pos)[-1]), dtype)  # clear errors before anything is traced
         static_box = box is None or isinstance(box, int | float | tuple)
         leaves, treedef = jax.tree.flatten(part)
         key = (treedef, static_box, box if static_box else None, equalize, capacity, return_domain, num_cells)
