@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
@@ -49,8 +50,9 @@ def _positions(x: Any, name: str) -> tuple[jax.Array, jax.Array]:
     if pos.ndim != 2 or pos.shape[1] not in (1, 2, 3):
         raise ValueError(f"knn: {name} positions must have shape (n, d) with d in {{1, 2, 3}} (local view), got "
                          f"{pos.shape}; global (ndev, n, d) arrays go through knn.smap")
-    if not jnp.issubdtype(pos.dtype, jnp.floating):
-        raise TypeError(f"knn: {name} positions must be float32 or float64, got {pos.dtype}")
+    if pos.dtype not in (jnp.float32, jnp.float64):
+        raise TypeError(f"knn: {name} positions must be float32 or float64, got {pos.dtype}; cast them with "
+                        f"pos.astype(jnp.float32)")
     n = pos.shape[0]
     if num is None:
         return pos, jnp.ones((n,), bool)
@@ -59,15 +61,34 @@ def _positions(x: Any, name: str) -> tuple[jax.Array, jax.Array]:
     return pos, jnp.arange(n, dtype=jnp.int32) < jnp.asarray(num, jnp.int32)
 
 
+def extent_range(dtype: Any, dim: int) -> tuple[float, float]:
+    """The extents of positions (or periodic boxes) whose squared distances ``dtype`` represents: below the
+    upper bound a sum of ``dim`` squares stays finite; above the lower bound only distances below the positions' own
+    resolution (``extent * eps``) underflow to zero."""
+    info = np.finfo(dtype)
+    return float(np.sqrt(info.tiny) / info.eps), float(np.sqrt(info.max / dim)) / 2
+
+
 def _box_vector(box: Box, dim: int, dtype: Any) -> jax.Array | None:
     if box is None:
         return None
+    if not isinstance(box, Tracer):
+        # Checked on the given values: inside jit even a jnp copy of a Python number is a tracer.
+        try:
+            with np.errstate(over="ignore", under="ignore"):
+                values = np.asarray(box, np.float64).astype(np.dtype(dtype))
+        except (TypeError, ValueError):
+            raise TypeError(f"knn: box must be None, a number or one number per axis, got {box!r}") from None
+        if values.size in (1, dim) and not np.all(np.isfinite(values) & (values > 0)):
+            raise ValueError(f"knn: box sizes must be positive and finite in {np.dtype(dtype).name}, got {box!r}")
+        low, high = extent_range(dtype, dim)
+        if values.size in (1, dim) and not np.all((values >= low) & (values <= high)):
+            raise ValueError(f"knn: box {box!r} is out of range for {np.dtype(dtype).name}: squared distances need "
+                             f"{low:.3g} <= box <= {high:.3g}; rescale the positions or use float64")
     vec = jnp.asarray(np.asarray(box) if isinstance(box, tuple | list) else box, dtype)
     vec = jnp.broadcast_to(vec, (dim,)) if vec.ndim == 0 else vec
     if vec.shape != (dim,):
         raise ValueError(f"knn: box must be a scalar or have one size per axis ({dim}), got shape {vec.shape}")
-    if not isinstance(vec, Tracer) and not bool(jnp.all(vec > 0)):
-        raise ValueError(f"knn: box sizes must be positive, got {np.asarray(vec).tolist()}")
     return vec
 
 
@@ -78,6 +99,23 @@ def _check_finite(pos: jax.Array, valid: jax.Array, name: str) -> None:
     if bad.any():
         raise ValueError(f"knn: {name} has {int(bad.sum())} row(s) with NaN or infinite coordinates (first: row "
                          f"{int(np.argmax(bad.reshape(-1)))}); remove or fix them")
+
+
+def _extent(pos: jax.Array, valid: jax.Array) -> jax.Array:
+    """Largest per-axis extent of the valid rows over every device of the context (0 without rows)."""
+    big = jnp.asarray(jnp.finfo(pos.dtype).max, pos.dtype)
+    lo = allreduce(jnp.min(jnp.where(valid[:, None], pos, big), axis=0), "min")
+    hi = allreduce(jnp.max(jnp.where(valid[:, None], pos, -big), axis=0), "max")
+    return jnp.max(jnp.where(hi >= lo, hi - lo, 0))
+
+
+def _check_extent(extent: Any, dtype: Any, dim: int, name: str) -> None:
+    low, high = extent_range(dtype, dim)
+    value = float(extent)
+    if value != 0 and not low <= value <= high:
+        raise ValueError(f"knn: {name} positions span {value:.3g}, but squared {np.dtype(dtype).name} distances need "
+                         f"a span between {low:.3g} and {high:.3g} (or all positions equal); rescale the positions "
+                         "(e.g. to box units) or use float64")
 
 
 def _check_k(k: Any, n: int, valid: jax.Array) -> None:
@@ -151,6 +189,8 @@ def _knn(part: Any, k: int, *, box: Box, query: Any, reduce: Reduce | None,
     n, dim = pos.shape
     _check_k(k, n, valid)
     _check_finite(pos, valid, "part")
+    if box is None and not isinstance(pos, Tracer) and not isinstance(valid, Tracer) and rank_info().size == 1:
+        _check_extent(_extent(pos, valid), pos.dtype, dim, "part")
     if ghost_capacity is not None and (isinstance(ghost_capacity, bool) or not isinstance(ghost_capacity, int)
                                        or ghost_capacity < 1):
         raise ValueError(f"knn: ghost_capacity must be a positive int or None, got {ghost_capacity!r}")
@@ -164,6 +204,10 @@ def _knn(part: Any, k: int, *, box: Box, query: Any, reduce: Reduce | None,
         if qpos.dtype != pos.dtype:
             raise TypeError(f"knn: query dtype {qpos.dtype} differs from part dtype {pos.dtype}; cast one of them")
         _check_finite(qpos, qvalid, "query")
+        if box is None and not any(isinstance(x, Tracer) for x in (pos, valid, qpos, qvalid)) and \
+                rank_info().size == 1:
+            _check_extent(_extent(jnp.concatenate([pos, qpos]), jnp.concatenate([valid, qvalid])), pos.dtype, dim,
+                          "part and query")
         qpart = query if hasattr(query, "pos") else Particles(pos=qpos, num=jnp.sum(qvalid, dtype=jnp.int32))
     boxv = _box_vector(box, dim, pos.dtype)
     if reduce is not None and not callable(reduce):
@@ -201,13 +245,15 @@ def _static_box(box: Box) -> float | tuple[float, ...] | None:
     return tuple(np.asarray(box, np.float64).reshape(-1).tolist())
 
 
+@functools.cache
 def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., KnnResult]:
     """``knn.smap(mesh=None, jit=True)``: :func:`knn` on global ``(ndev, n, ...)`` particle arrays.
 
     The returned function takes the arguments of :func:`knn`; ``part`` and ``query`` are global pytrees (e.g. from
     :func:`shardax.particles.from_numpy`), the results have shape ``(ndev, m, k)`` aligned with the query rows.
     Called outside an outer ``jax.jit`` it raises ``ValueError`` for NaN positions or ``k`` larger than the total
-    number of particles, and :class:`shardax.CapacityError` when ``ghost_capacity`` was too small.
+    number of particles, and :class:`shardax.CapacityError` when ``ghost_capacity`` was too small. The constructor
+    is cached per ``(mesh, jit)``: ``knn.smap(mesh)(...)`` in a loop compiles once per set of static arguments.
     """
     cache: dict[Hashable, Callable[..., Any]] = {}
 
@@ -216,6 +262,13 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., Kn
         if not (hasattr(part, "pos") and hasattr(part, "num")):
             raise TypeError(f"knn.smap: part must be a global particle pytree with .pos and .num, got "
                             f"{type(part).__name__}")
+        if jnp.ndim(part.pos) != 3:
+            raise ValueError(f"knn.smap: part.pos must have shape (ndev, n, d) (e.g. from shardax.particles."
+                             f"from_numpy), got {jnp.shape(part.pos)}; call knn() for the local view")
+        rows = int(np.prod(jnp.shape(part.pos)[:2]))
+        _check_k(k, rows, jnp.ones((rows,), bool))  # before compiling a search for an impossible k
+        if box is not None and jnp.issubdtype(jnp.result_type(part.pos), jnp.floating):
+            _box_vector(box, int(jnp.shape(part.pos)[-1]), jnp.result_type(part.pos))
         static_box = _static_box(box)
         # Pytrees travel as flat leaf lists: smap's spec broadcasting would give an absent (None) field a spec.
         part_leaves, part_def = jax.tree.flatten(part)
@@ -229,19 +282,29 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., Kn
                 # Data checks inside the mapped function: the host cannot read other processes' rows.
                 pos, valid = _positions(part, "part")
                 total = allreduce(jnp.sum(valid, dtype=jnp.int32))
-                nonfinite = allreduce(jnp.sum(valid & ~jnp.all(jnp.isfinite(pos), axis=-1), dtype=jnp.int32))
+                finite = jnp.all(jnp.isfinite(pos), axis=-1)
+                nonfinite = allreduce(jnp.sum(valid & ~finite, dtype=jnp.int32))
+                extent = jnp.zeros((), pos.dtype)
+                if static_box is None:
+                    extent = _extent(pos, valid & finite)
+                    if query is not None:
+                        qpos, qvalid = _positions(query, "query")
+                        extent = jnp.maximum(extent, _extent(jnp.concatenate([pos, qpos]),
+                                                             jnp.concatenate([valid & finite, qvalid])))
                 result, overflow, needed = _knn(part, k, box=static_box, query=query, reduce=reduce,
                                                 ghost_capacity=ghost_capacity)
-                flags = (allreduce(overflow.astype(jnp.int32), "max"), allreduce(needed, "max"), total, nonfinite)
+                flags = (allreduce(overflow.astype(jnp.int32), "max"), allreduce(needed, "max"), total, nonfinite,
+                         extent)
                 return result, flags
 
             fn = smap(body, in_specs=(ALL, ALL), out_specs=(ALL, P()), mesh=mesh, jit=jit)
             cache[key] = fn
-        result, (overflow, needed, total, nonfinite) = fn(part_leaves, query_leaves)
+        result, (overflow, needed, total, nonfinite, extent) = fn(part_leaves, query_leaves)
         if not isinstance(overflow, Tracer):
             if int(nonfinite):
                 raise ValueError(f"knn: part has {int(nonfinite)} row(s) with NaN or infinite coordinates; remove or "
                                  "fix them")
+            _check_extent(extent, jnp.result_type(part.pos), int(jnp.shape(part.pos)[-1]), "part")
             if k > int(total):
                 raise ValueError(f"knn: k={k} is larger than the number of particles ({int(total)}); lower k")
             if int(overflow):
