@@ -85,27 +85,42 @@ def _box_vector(box: Any, dim: int, dtype: Any) -> jax.Array | None:
     if isinstance(box, bool) or not isinstance(box, int | float | tuple | list | jax.Array | np.ndarray | np.generic):
         raise TypeError(f"box must be None, a positive number or a sequence of {dim} numbers, got "
                         f"{type(box).__name__}")
+    if not isinstance(box, Tracer):
+        # Checked on the given values: inside jit even a jnp copy of a Python number is a tracer.
+        try:
+            with np.errstate(over="ignore", under="ignore"):
+                values = np.asarray(box, np.float64).astype(np.dtype(dtype))
+        except (TypeError, ValueError):
+            raise TypeError(f"box must be None, a positive number or a sequence of {dim} numbers, got {box!r}") from None
+        if values.size in (1, dim) and not np.all(np.isfinite(values) & (values >= np.finfo(values.dtype).tiny)):
+            raise ValueError(f"box must be positive and finite in {np.dtype(dtype).name} (the periodic box size per "
+                             f"axis; XLA flushes subnormal numbers to zero), got {box!r}")
     vec = jnp.asarray(box, dtype)
     vec = jnp.broadcast_to(vec, (dim,)) if vec.ndim == 0 else vec
     if vec.shape != (dim,):
         raise ValueError(f"box must be a scalar or have {dim} entries (one per axis), got shape {vec.shape}")
-    if not isinstance(vec, Tracer) and not bool(jnp.all(vec > 0)):
-        raise ValueError(f"box must be positive (the periodic box size per axis), got {np.asarray(vec)}")
     return vec
 
 
-def _check_linking_length(linking_length: Any, box: jax.Array | None, dtype: Any) -> jax.Array:
-    if isinstance(linking_length, bool) or jnp.ndim(linking_length) != 0:
+def _check_linking_length(linking_length: Any, box: Any, dtype: Any) -> jax.Array:
+    """``linking_length`` as a ``dtype`` scalar; a concrete value (and ``box``, the user's box) is checked first."""
+    if isinstance(linking_length, bool | str) or jnp.ndim(linking_length) != 0:
         raise TypeError(f"linking_length must be a positive scalar (absolute length), got {linking_length!r}")
-    ll = jnp.asarray(linking_length, dtype)
-    if not isinstance(ll, Tracer):
-        value = float(ll)
+    if not isinstance(linking_length, Tracer):
+        # Checked on the given value: inside jit even a jnp copy of a Python number is a tracer.
+        value = float(linking_length)
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"linking_length must be positive and finite, got {linking_length!r}")
-        if box is not None and not isinstance(box, Tracer) and value > 0.5 * float(jnp.min(box)):
+        info = np.finfo(dtype)
+        if not np.sqrt(info.tiny) <= value <= np.sqrt(info.max):
+            # Pairs are compared by squared distance: its square must be a normal number of the positions' dtype.
+            raise ValueError(f"linking_length {value:g} is out of range for {info.dtype.name} positions (squared "
+                             f"distances need {np.sqrt(info.tiny):.3g} <= linking_length <= {np.sqrt(info.max):.3g}); "
+                             "rescale the positions (e.g. to box units) or use float64")
+        if box is not None and not isinstance(box, Tracer) and value > 0.5 * float(np.min(box)):
             raise ValueError(f"linking_length {value} is larger than half the periodic box "
                              f"({np.asarray(box).tolist()}); use a smaller linking length or a larger box")
-    return ll
+    return jnp.asarray(linking_length, dtype)
 
 
 def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_members: int = 20,
@@ -152,7 +167,7 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
     pos = jnp.asarray(part.pos)
     dtype = pos.dtype
     boxv = _box_vector(box, dim, dtype)
-    ll = _check_linking_length(linking_length, boxv, dtype)
+    ll = _check_linking_length(linking_length, box, dtype)
     rank, size, _ = rank_info()
     hc = 0 if size == 1 else (_positive_int(halo_capacity, "halo_capacity", allow_none=True) or max(n // 4, 1024))
     total_rows = n + hc
@@ -277,6 +292,8 @@ def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., 
                              "(e.g. from shardax.particles.from_numpy); call fof() for the local view")
         if isinstance(linking_length, bool) or not isinstance(linking_length, int | float | np.floating):
             raise TypeError(f"fof.smap: linking_length must be a Python number, got {type(linking_length).__name__}")
+        if jnp.issubdtype(jnp.result_type(part.pos), jnp.floating):
+            _box_vector(box, int(jnp.shape(part.pos)[-1]), jnp.result_type(part.pos))
         static_box = None if box is None else (float(box) if np.ndim(box) == 0 else tuple(np.asarray(box).tolist()))
         options = (float(linking_length), static_box, min_members, max_groups, edge_capacity, halo_capacity, tuning)
         leaves, treedef = jax.tree.flatten(part)
