@@ -186,6 +186,13 @@ def _eigensolver(mesh: Mesh, n: int, max_sweeps: int, vectors: bool, a_sharding:
     def run(a):
         lower = jnp.tril(a, -1)
         herm = lower + jnp.conj(lower).T + jnp.diag(jnp.real(jnp.diagonal(a)).astype(a.dtype))
+        # Scaled by a power of two (exact) to largest entry ~1, as LAPACK's syevd does: the convergence test sums
+        # squares, which overflow or underflow for entries beyond about 1e19 or below 1e-19 in float32.
+        real = jnp.finfo(a.dtype).dtype
+        info = jnp.finfo(real)
+        _, exponent = jnp.frexp(jnp.max(jnp.abs(herm)))
+        exponent = jnp.clip(exponent, -(info.maxexp - 1), -info.minexp)
+        herm = herm * jnp.ldexp(jnp.ones((), real), -exponent).astype(a.dtype)
         # Padding eigenvalues sit above the Gershgorin bound of the spectrum, so they sort last and never mix.
         bound = jnp.max(jnp.sum(jnp.abs(herm), axis=0))
         pad = npad - n
@@ -195,7 +202,7 @@ def _eigensolver(mesh: Mesh, n: int, max_sweeps: int, vectors: bool, a_sharding:
             herm = herm.at[idx, idx].set((2 * bound + 1).astype(a.dtype))
         w, v, _, converged = local(herm)
         order = jnp.argsort(w)[:n]
-        w = jnp.where(converged, w[order], jnp.nan)
+        w = jnp.where(converged, jnp.ldexp(w[order], exponent), jnp.nan)
         status = jnp.where(converged, 0, 1).astype(jnp.int32)
         if not vectors:
             return w, None, status
