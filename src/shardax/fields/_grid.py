@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..core import default_mesh
 from ..fft import Layout
 from ..fft._layout import local_layout, manual_axis_sizes
+
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
 
 def _box3(box: Any) -> tuple[float, float, float]:
@@ -23,16 +28,17 @@ def _box3(box: Any) -> tuple[float, float, float]:
     else:
         try:
             values = tuple(float(b) for b in box)
-        except TypeError:
+        except (TypeError, ValueError):
             raise TypeError(f"box must be a number or three numbers (the periodic box size), got {box!r}") from None
-    if len(values) != 3 or min(values) <= 0:
-        raise ValueError(f"box must be a positive number or three positive numbers, got {box!r}")
+    # Normal float32 numbers: XLA flushes subnormal ones to zero.
+    if len(values) != 3 or not all(math.isfinite(v) and v >= _FLOAT32_TINY for v in values):
+        raise ValueError(f"box must be a positive finite number or three positive finite numbers, got {box!r}")
     return values  # type: ignore[return-value]
 
 
 def _shape3(shape: Sequence[int]) -> tuple[int, int, int]:
     try:
-        values = tuple(int(n) for n in shape)
+        values = tuple(operator.index(n) for n in shape)
     except TypeError:
         raise TypeError(f"shape must be three ints (the global grid shape), got {shape!r}") from None
     if len(values) != 3 or min(values) < 1:
@@ -109,6 +115,8 @@ class Grid:
 
 def cell_index(pos: jax.Array, grid: Grid) -> tuple[jax.Array, jax.Array]:
     """Lower grid point `(n, 3)` int32 (wrapped into the box) and CIC fraction `(n, 3)` of each position."""
+    box = jnp.asarray(grid.box, pos.dtype)[None, :]
+    pos = pos - box * jnp.floor(pos / box)  # into the box first: far-away positions would overflow int32 cells
     scaled = pos / grid.spacing(pos.dtype)[None, :]
     lower = jnp.floor(scaled)
     frac = scaled - lower

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import comm
@@ -17,7 +18,7 @@ from .._errors import CapacityError
 from ..core import ALL, default_mesh, rank_info, smap
 from ..particles import Particles
 from ..particles._particles import check_positions, row_count
-from ._grid import Grid, cell_index, default_spec, field_sharding
+from ._grid import Grid, _box3, _shape3, cell_index, default_spec, field_sharding
 
 _CORNERS = tuple(itertools.product((0, 1), repeat=3))
 
@@ -88,6 +89,34 @@ def _check(part: Any, where: str) -> None:
     check_positions(part, where)
     if jnp.shape(part.pos)[1] != 3:
         raise ValueError(f"{where}: part.pos must have 3 columns (3D positions), got {jnp.shape(part.pos)}")
+    if not isinstance(part.pos, Tracer) and not isinstance(part.num, Tracer):
+        _raise_nonfinite(where, int(_nonfinite(part)))
+
+
+def _nonfinite(part: Any) -> jax.Array:
+    """Valid rows with a NaN or infinite coordinate, over every device of the context."""
+    valid = jnp.arange(row_count(part)) < part.num
+    return comm.allreduce(jnp.sum(valid & ~jnp.all(jnp.isfinite(part.pos), axis=1), dtype=jnp.int32))
+
+
+def _check_global(part: Any, where: str) -> None:
+    """Clear errors for global particles that the mapped kernels could not take."""
+    if getattr(part, "pos", None) is None or not hasattr(part, "num"):
+        raise TypeError(f"{where}: part must be a global particle pytree with .pos and .num (e.g. from "
+                        f"shardax.particles.from_numpy), got {type(part).__name__}")
+    shape = jnp.shape(part.pos)
+    if len(shape) != 3 or shape[2] != 3:
+        raise ValueError(f"{where}: part.pos must have shape (ndev, n, 3) (e.g. from shardax.particles.from_numpy), "
+                         f"got {shape}; local_{where} takes the local view")
+    if jnp.result_type(part.pos) not in (jnp.float32, jnp.float64):
+        raise TypeError(f"{where}: part.pos must be float32 or float64, got dtype {jnp.result_type(part.pos)}")
+    if jnp.shape(part.num) != shape[:1]:
+        raise ValueError(f"{where}: part.num must have shape {shape[:1]} (one count per device), got "
+                         f"{jnp.shape(part.num)}")
+    mass = getattr(part, "mass", None)
+    if mass is not None and jnp.shape(mass) != shape[:2]:
+        raise ValueError(f"{where}: part.mass must have shape {shape[:2]} (one mass per row of part.pos), got "
+                         f"{jnp.shape(mass)}")
 
 
 def _capacity(capacity: int | None, part: Any) -> int:
@@ -206,6 +235,11 @@ def _local_part(rows: dict[str, jax.Array]) -> Particles:
     return Particles(pos=local["pos"], num=local["num"], mass=local.get("mass"))
 
 
+def _raise_nonfinite(name: str, count: int) -> None:
+    if count:
+        raise ValueError(f"{name}: {count} particle(s) have NaN or infinite coordinates in part.pos; remove or fix them")
+
+
 def _raise_capacity(name: str, needed: int, capacity: int) -> None:
     if needed > capacity:
         raise CapacityError(f"{name}: a device had to receive {needed} particles but capacity is {capacity}; pass "
@@ -221,10 +255,12 @@ def _particle_mesh(part: Any, mesh: Mesh | None) -> Mesh:
 
 @functools.lru_cache(maxsize=64)
 def _paint_fn(mesh: Mesh, shape: tuple[int, ...], box: Any, spec: PartitionSpec, capacity: int | None) -> Any:
-    def body(rows: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        return local_paint(_local_part(rows), shape, box=box, spec=spec, capacity=capacity)
-    return smap(body, in_specs=(PartitionSpec(ALL),), out_specs=(spec, PartitionSpec()), mesh=mesh, expand=False,
-                jit=True)
+    def body(rows: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        local = _local_part(rows)
+        field, needed = local_paint(local, shape, box=box, spec=spec, capacity=capacity)
+        return field, needed, _nonfinite(local)
+    return smap(body, in_specs=(PartitionSpec(ALL),), out_specs=(spec, PartitionSpec(), PartitionSpec()), mesh=mesh,
+                expand=False, jit=True)
 
 
 def paint(part: Any, shape: Sequence[int], *, box: Any, mesh: Mesh | None = None, spec: Any = None,
@@ -253,22 +289,25 @@ def paint(part: Any, shape: Sequence[int], *, box: Any, mesh: Mesh | None = None
         >>> round(float(rho.sum()))
         1000
     """
+    _check_global(part, "paint")
     the_mesh = _particle_mesh(part, mesh)
     the_spec = default_spec(the_mesh) if spec is None else spec
-    shape3 = tuple(int(n) for n in shape)
-    box_key = box if isinstance(box, int | float) else tuple(box)
-    field, needed = _paint_fn(the_mesh, shape3, box_key, the_spec, capacity)(_rows(part))
+    shape3 = _shape3(shape)
+    box_key = box if isinstance(box, int | float) else _box3(box)
+    field, needed, nonfinite = _paint_fn(the_mesh, shape3, box_key, the_spec, capacity)(_rows(part))
+    _raise_nonfinite("paint", int(nonfinite))
     _raise_capacity("paint", int(needed), capacity or part.pos.shape[1])
     return field
 
 
 @functools.lru_cache(maxsize=64)
 def _readout_fn(mesh: Mesh, box: Any, spec: PartitionSpec, capacity: int | None) -> Any:
-    def body(field: jax.Array, rows: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        values, needed = local_readout(field, _local_part(rows), box=box, spec=spec, capacity=capacity)
-        return values[None], needed
-    return smap(body, in_specs=(spec, PartitionSpec(ALL)), out_specs=(PartitionSpec(ALL), PartitionSpec()),
-                mesh=mesh, expand=False, jit=True)
+    def body(field: jax.Array, rows: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        local = _local_part(rows)
+        values, needed = local_readout(field, local, box=box, spec=spec, capacity=capacity)
+        return values[None], needed, _nonfinite(local)
+    return smap(body, in_specs=(spec, PartitionSpec(ALL)),
+                out_specs=(PartitionSpec(ALL), PartitionSpec(), PartitionSpec()), mesh=mesh, expand=False, jit=True)
 
 
 def readout(field: jax.Array, part: Any, *, box: Any, mesh: Mesh | None = None, spec: Any = None,
@@ -293,8 +332,10 @@ def readout(field: jax.Array, part: Any, *, box: Any, mesh: Mesh | None = None, 
         >>> sx.fields.readout(rho, part, box=1.0).shape == part.pos.shape[:2]
         True
     """
+    _check_global(part, "readout")
     the_mesh, the_spec = field_sharding(field, mesh, spec, "readout")
-    box_key = box if isinstance(box, int | float) else tuple(box)
-    values, needed = _readout_fn(the_mesh, box_key, the_spec, capacity)(field, _rows(part))
+    box_key = box if isinstance(box, int | float) else _box3(box)
+    values, needed, nonfinite = _readout_fn(the_mesh, box_key, the_spec, capacity)(field, _rows(part))
+    _raise_nonfinite("readout", int(nonfinite))
     _raise_capacity("readout", int(needed), capacity or part.pos.shape[1])
     return values
