@@ -39,6 +39,9 @@ def _check_array(name: str, kind: Kind, x: Any) -> None:
                         f"cast it with x.astype(jnp.complex64) if a real spectrum is meant")
     if kind == "rfftn" and not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"rfftn takes a real floating array, got dtype {dtype}; use fftn for complex input")
+    if kind == "rfftn" and dtype not in (jnp.float32, jnp.float64):
+        raise TypeError(f"rfftn takes float32 or float64 (XLA's real FFT), got dtype {dtype}; cast it with "
+                        "x.astype(jnp.float32)")
 
 
 def _n_last(name: str, kind: Kind, shape: tuple[int, ...], s: Any) -> int:
