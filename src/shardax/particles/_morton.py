@@ -13,7 +13,7 @@ input order (ties are never broken by anything else).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -99,20 +99,30 @@ def _as_vector(value: Box, dim: int, dtype: jnp.dtype, name: str) -> jax.Array:
     return arr
 
 
+def given_box_values(box: Any, dtype: Any, type_error: str) -> np.ndarray | None:
+    """The values of a user's ``box`` in ``dtype``, for checks on what was given (``None`` for a tracer: inside
+    ``jit`` even a jnp copy of a Python number is a tracer, so wrappers check before tracing).
+
+    Raises:
+        TypeError: with the message ``type_error`` when ``box`` is not numeric.
+    """
+    if isinstance(box, Tracer):
+        return None
+    try:
+        with np.errstate(over="ignore", under="ignore"):
+            return np.asarray(box, np.float64).astype(np.dtype(dtype))
+    except (TypeError, ValueError):
+        raise TypeError(type_error) from None
+
+
 def periodic_box(box: Box, dim: int, dtype: jnp.dtype) -> KeyBox:
     """The :class:`KeyBox` of a periodic box ``[0, box)`` (scalar or per-axis size)."""
     if isinstance(box, bool) or not isinstance(box, int | float | tuple | list | jax.Array | np.ndarray | np.generic):
         raise TypeError(f"box must be a positive number or a sequence of {dim} numbers, got {type(box).__name__}")
-    if not isinstance(box, Tracer):
-        # Checked on the given values: inside jit even a jnp copy of a Python number is a tracer.
-        try:
-            with np.errstate(over="ignore", under="ignore"):
-                values = np.asarray(box, np.float64).astype(np.dtype(dtype))
-        except (TypeError, ValueError):
-            raise TypeError(f"box must be a positive number or a sequence of {dim} numbers, got {box!r}") from None
-        if not np.all(np.isfinite(values) & (values >= np.finfo(values.dtype).tiny)):
-            raise ValueError(f"box must be positive and finite in {np.dtype(dtype).name} (the periodic box size per "
-                             f"axis; XLA flushes subnormal numbers to zero), got {box!r}")
+    values = given_box_values(box, dtype, f"box must be a positive number or a sequence of {dim} numbers, got {box!r}")
+    if values is not None and not np.all(np.isfinite(values) & (values >= np.finfo(values.dtype).tiny)):
+        raise ValueError(f"box must be positive and finite in {np.dtype(dtype).name} (the periodic box size per "
+                         f"axis; XLA flushes subnormal numbers to zero), got {box!r}")
     extent = _as_vector(box, dim, dtype, "box")
     return KeyBox(jnp.zeros((dim,), dtype), extent, True)
 

@@ -23,6 +23,7 @@ from .._errors import CapacityError
 from ..comm import allreduce, scan
 from ..core import ALL, rank_info, smap
 from ..particles._domain import domain_of
+from ..particles._morton import given_box_values
 from ..particles._particles import check_positions
 from ..particles._zsort import sort_particles
 from ._catalogue import Catalogue, Partial, finish, partial_sums
@@ -85,16 +86,12 @@ def _box_vector(box: Any, dim: int, dtype: Any) -> jax.Array | None:
     if isinstance(box, bool) or not isinstance(box, int | float | tuple | list | jax.Array | np.ndarray | np.generic):
         raise TypeError(f"box must be None, a positive number or a sequence of {dim} numbers, got "
                         f"{type(box).__name__}")
-    if not isinstance(box, Tracer):
-        # Checked on the given values: inside jit even a jnp copy of a Python number is a tracer.
-        try:
-            with np.errstate(over="ignore", under="ignore"):
-                values = np.asarray(box, np.float64).astype(np.dtype(dtype))
-        except (TypeError, ValueError):
-            raise TypeError(f"box must be None, a positive number or a sequence of {dim} numbers, got {box!r}") from None
-        if values.size in (1, dim) and not np.all(np.isfinite(values) & (values >= np.finfo(values.dtype).tiny)):
-            raise ValueError(f"box must be positive and finite in {np.dtype(dtype).name} (the periodic box size per "
-                             f"axis; XLA flushes subnormal numbers to zero), got {box!r}")
+    values = given_box_values(box, dtype,
+                              f"box must be None, a positive number or a sequence of {dim} numbers, got {box!r}")
+    if values is not None and values.size in (1, dim) and \
+            not np.all(np.isfinite(values) & (values >= np.finfo(values.dtype).tiny)):
+        raise ValueError(f"box must be positive and finite in {np.dtype(dtype).name} (the periodic box size per "
+                         f"axis; XLA flushes subnormal numbers to zero), got {box!r}")
     vec = jnp.asarray(box, dtype)
     vec = jnp.broadcast_to(vec, (dim,)) if vec.ndim == 0 else vec
     if vec.shape != (dim,):

@@ -17,6 +17,7 @@ from .._errors import CapacityError
 from ..comm import allgather, allreduce, scan
 from ..core import ALL, rank_info, smap
 from ..particles import Particles
+from ..particles._morton import given_box_values
 from ._knn_dist import distributed_knn
 from ._knn_local import local_knn
 
@@ -72,13 +73,8 @@ def extent_range(dtype: Any, dim: int) -> tuple[float, float]:
 def _box_vector(box: Box, dim: int, dtype: Any) -> jax.Array | None:
     if box is None:
         return None
-    if not isinstance(box, Tracer):
-        # Checked on the given values: inside jit even a jnp copy of a Python number is a tracer.
-        try:
-            with np.errstate(over="ignore", under="ignore"):
-                values = np.asarray(box, np.float64).astype(np.dtype(dtype))
-        except (TypeError, ValueError):
-            raise TypeError(f"knn: box must be None, a number or one number per axis, got {box!r}") from None
+    values = given_box_values(box, dtype, f"knn: box must be None, a number or one number per axis, got {box!r}")
+    if values is not None:
         if values.size in (1, dim) and not np.all(np.isfinite(values) & (values > 0)):
             raise ValueError(f"knn: box sizes must be positive and finite in {np.dtype(dtype).name}, got {box!r}")
         low, high = extent_range(dtype, dim)
