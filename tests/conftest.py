@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -30,3 +31,36 @@ def make_mesh(shape: tuple[int, ...]) -> Mesh:
 @pytest.fixture(params=MESH_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def mesh(request: pytest.FixtureRequest) -> Mesh:
     return make_mesh(request.param)
+
+
+# Every compiled XLA:CPU executable holds ~24 memory mappings until its jit cache entry goes. One pytest worker
+# runs hundreds of tests and compiles thousands of executables: past vm.max_map_count (65530 by default) the next
+# compile's mmap fails and XLA aborts the worker. Cached executables are dropped after every module, and after any
+# test that leaves the process holding more than _MAX_MAPPINGS mappings.
+_MAX_MAPPINGS = 20_000
+
+
+def _mapping_count() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
+def _drop_compiled_code() -> None:
+    jax.clear_caches()
+    gc.collect()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_code_per_module():
+    yield
+    _drop_compiled_code()
+
+
+@pytest.fixture(autouse=True)
+def _bound_memory_mappings():
+    yield
+    if _mapping_count() > _MAX_MAPPINGS:
+        _drop_compiled_code()
