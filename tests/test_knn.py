@@ -202,8 +202,72 @@ def test_mesh_matches_single_device(mesh: Mesh) -> None:
 def test_ghost_capacity_overflow_raises() -> None:
     mesh = make_mesh((8,))
     part = sx.particles.from_numpy(np.random.default_rng(9).random((800, 3), dtype=np.float32), mesh=mesh)
-    with pytest.raises(sx.CapacityError, match="ghost_capacity"):
+    with pytest.raises(sx.CapacityError, match="ghost_capacity") as info:
         knn.smap(mesh)(part, 9, box=1.0, ghost_capacity=4)
+    err = info.value
+    assert (err.argument, err.available) == ("ghost_capacity", 4) and err.needed > 4
+    # The size it asks for is enough: the retry gives the exact answer.
+    d, i = (np.asarray(x) for x in knn.smap(mesh)(part, 9, box=1.0, ghost_capacity=err.needed))
+    valid = np.arange(part.pos.shape[1])[None, :] < np.asarray(part.num)[:, None]
+    order = np.argsort(np.asarray(part.ids)[valid])
+    one = jitted(9, 1.0)(jnp.asarray(np.asarray(part.pos)[valid][order]))
+    np.testing.assert_array_equal(i[valid][order], np.asarray(one.indices))
+    np.testing.assert_array_equal(d[valid][order], np.asarray(one.distances))
+
+
+def zsort_ids(mesh: Mesh, pos: np.ndarray, box: float | None) -> np.ndarray:
+    """The ids of ``pos`` in the global z-order ``zsort.smap`` gives on ``mesh``."""
+    part = sx.particles.from_numpy(pos, mesh=mesh)
+    zpart = sx.particles.zsort.smap(mesh)(part, box=box)[0]
+    return np.concatenate([row[:m] for row, m in zip(to_host(zpart.ids), to_host(zpart.num), strict=True)])
+
+
+def check_zorder(mesh: Mesh | None, pos: np.ndarray, box: float | None, fields: bool = True) -> np.ndarray:
+    """``zorder=True`` on ``mesh`` (the local view when None): every row is the input-order result of the particle
+    ``zpart.ids`` names (and, with ``fields``, a per-particle field travelled with it). Returns ``zpart.ids`` of the
+    valid rows in global order."""
+    extra = {"vel": np.arange(len(pos), dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)} if fields else {}
+    if mesh is None:
+        part = sx.particles.Particles(pos=jnp.asarray(pos), num=jnp.int32(len(pos)),
+                                      **{k: jnp.asarray(v) for k, v in extra.items()})
+        (res, zpart), home = knn(part, 9, box=box, zorder=True), knn(part, 9, box=box)
+        host = lambda x: np.asarray(x)[None]  # noqa: E731
+    else:
+        share = np.array_split(np.arange(len(pos)), jax.process_count())[jax.process_index()]
+        part = sx.particles.from_numpy(pos[share], mesh=mesh, **{k: v[share] for k, v in extra.items()})
+        (res, zpart), home = knn.smap(mesh)(part, 9, box=box, zorder=True), knn.smap(mesh)(part, 9, box=box)
+        host = to_host
+    valid = np.arange(host(zpart.pos).shape[1])[None, :] < host(zpart.num).reshape(-1)[:, None]
+    ids = host(zpart.ids)[valid]
+    np.testing.assert_array_equal(np.sort(ids), np.arange(len(pos)))  # every particle once
+    if fields:
+        np.testing.assert_array_equal(host(zpart.vel)[valid][:, 0], ids.astype(np.float32))
+    hvalid = np.arange(host(home.indices).shape[1])[None, :] < host(part.num).reshape(-1)[:, None]
+    hids = host(part.ids)[hvalid] if mesh is not None else np.arange(len(pos))
+    order = np.argsort(hids)
+    home_i, home_d = host(home.indices)[hvalid][order], host(home.distances)[hvalid][order]
+    np.testing.assert_array_equal(host(res.indices)[valid], home_i[ids])
+    np.testing.assert_array_equal(host(res.distances)[valid], home_d[ids])
+    return ids
+
+
+@pytest.mark.parametrize("shape", [None, (8,)], ids=["local", "8"])
+def test_zorder_output(shape: tuple[int, ...] | None) -> None:
+    pos = np.random.default_rng(11).random((1000, 3), dtype=np.float32)
+    ids = check_zorder(None if shape is None else make_mesh(shape), pos, 1.0)
+    np.testing.assert_array_equal(ids, zsort_ids(make_mesh(shape or (1,)), pos, 1.0))  # the order zsort gives
+
+
+def test_zorder_bad_input() -> None:
+    pos = jnp.asarray(np.random.default_rng(12).random((50, 3), dtype=np.float32))
+    with pytest.raises(ValueError, match="zorder=True .* cannot be combined with query="):
+        knn(pos, 3, query=pos, zorder=True)
+    with pytest.raises(TypeError, match="zorder must be a bool"):
+        knn(pos, 3, zorder=1)  # type: ignore[call-overload]
+    res, zpart = knn(pos, 3, zorder=True)  # a plain array comes back as Particles with ids
+    assert isinstance(zpart, sx.particles.Particles)
+    np.testing.assert_array_equal(np.asarray(res.indices)[:, 0], np.asarray(zpart.ids))
+    np.testing.assert_array_equal(np.asarray(zpart.pos), np.asarray(pos)[np.asarray(zpart.ids)])
 
 
 def multiprocess_body() -> list[np.ndarray]:
@@ -213,17 +277,22 @@ def multiprocess_body() -> list[np.ndarray]:
         d, i = run_on_mesh(mesh, pos, box, 9)
         one = knn(jnp.asarray(pos), 9, box=box)
         out += [i, np.asarray(one.indices), d, np.asarray(one.distances)]
+    pos, box = distributed_cases(np.random.default_rng(8))[0]
+    out.append(check_zorder(mesh, pos, box, fields=False))
     return out
 
 
 @pytest.mark.multiprocess
 def test_two_processes() -> None:
     results = sx.testing.run_distributed(multiprocess_body, num_processes=2, cpu_devices=4)
+    pos, box = distributed_cases(np.random.default_rng(8))[0]
+    want = zsort_ids(make_mesh((8,)), pos, box)
     for res in results:
+        np.testing.assert_array_equal(res[-1], want)  # zorder=True: rows checked, the same z-order as 8 devices here
+        res = res[:-1]
         for mesh_i, one_i, mesh_d, one_d in zip(res[0::4], res[1::4], res[2::4], res[3::4], strict=True):
             np.testing.assert_array_equal(mesh_i, one_i)
             np.testing.assert_array_equal(mesh_d, one_d)
     # The same answer on both processes, and the same as in this process on one device.
     np.testing.assert_array_equal(results[0][0], results[1][0])
-    pos, box = distributed_cases(np.random.default_rng(8))[0]
     np.testing.assert_array_equal(results[0][0], np.asarray(jitted(9, box)(jnp.asarray(pos)).indices))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, overload
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +18,7 @@ from ..comm import allgather, allreduce, scan
 from ..core import ALL, rank_info, smap
 from ..particles import Particles
 from ..particles._morton import given_box_values
-from ._knn_dist import distributed_knn
+from ._knn_dist import Flags, default_ghost_capacity, distributed_knn
 from ._knn_local import local_knn
 
 Box = float | tuple[float, ...] | jax.Array | None
@@ -126,8 +126,18 @@ def _check_k(k: Any, n: int, valid: jax.Array) -> None:
             raise ValueError(f"knn: k={k} is larger than the number of particles ({int(jnp.sum(valid))}); lower k")
 
 
+@overload
 def knn(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce | None = None,
-        ghost_capacity: int | None = None) -> KnnResult:
+        ghost_capacity: int | None = None, zorder: Literal[False] = False) -> KnnResult: ...
+
+
+@overload
+def knn(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce | None = None,
+        ghost_capacity: int | None = None, zorder: Literal[True]) -> tuple[KnnResult, Any]: ...
+
+
+def knn(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce | None = None,
+        ghost_capacity: int | None = None, zorder: bool = False) -> KnnResult | tuple[KnnResult, Any]:
     """Exact k nearest neighbours of each particle (local view; ``knn.smap`` gives the global version).
 
     Runs the same code outside any mesh (one device) and inside ``sx.smap``. Every particle is its own nearest
@@ -147,13 +157,20 @@ def knn(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce
             it runs where the particles are after the z-order sort, before the results travel home, so its
             outputs must be per-row arrays (leading length ``n``).
         ghost_capacity: rows of the buffer for particles received from other devices (static; default twice the
-            rows per device, at least 32768, at most all other devices' rows). On overflow the local view returns NaN distances; ``knn.smap`` raises
-            :class:`shardax.CapacityError` saying how much is needed.
+            rows per device, at least 65536, at most all other devices' rows). On overflow the local view returns
+            NaN distances; ``knn.smap`` raises :class:`shardax.CapacityError` saying how much is needed.
+        zorder: skip the trip home: return the results where the search ran, in global z-order, together with
+            the particles in that order (one exchange fewer on a mesh). Not with ``query``.
 
     Returns:
         ``KnnResult(distances (m, k), indices (m, k))`` with rows aligned with the query rows (``m = n`` without
         ``query``). Indices are global input indices: ``part.ids`` when present, else the position in (device,
         row) order of the valid rows. Padding rows get distance ``inf`` and index ``-1``.
+
+        With ``zorder=True``: ``(KnnResult, zpart)``, where ``zpart`` is ``part`` sorted into global z-order as by
+        :func:`shardax.particles.zsort` (every per-particle field moved, ``num`` the rows now held, ``ids`` the
+        global input index of each row; a plain array ``part`` becomes :class:`~shardax.particles.Particles`) and
+        the result rows are aligned with ``zpart``'s rows.
 
     Raises:
         TypeError: ``k`` not an int, positions not float.
@@ -170,17 +187,22 @@ def knn(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce
         >>> rmean = knn(pos, 9, reduce=lambda distances, indices, part: jnp.mean(distances[:, 1:], axis=1))
         >>> rmean.indices.shape
         (1000,)
+        >>> res, zpart = knn(pos, 4, box=1.0, zorder=True)     # rows in z-order, zpart.ids says which particle
+        >>> bool(jnp.all(res.indices[:, 0] == zpart.ids))
+        True
     """
-    result, overflow, _ = _knn(part, k, box=box, query=query, reduce=reduce, ghost_capacity=ghost_capacity)
+    result, flags, zpart = _knn(part, k, box=box, query=query, reduce=reduce, ghost_capacity=ghost_capacity,
+                                zorder=zorder)
+    overflow = flags.ghost_overflow | flags.sort_overflow
     if isinstance(overflow, Tracer) or bool(overflow):
         bad = jnp.asarray(overflow)
         result = KnnResult(jnp.where(bad, jnp.nan, result.distances), result.indices)
-    return result
+    return (result, zpart) if zorder else result
 
 
-def _knn(part: Any, k: int, *, box: Box, query: Any, reduce: Reduce | None,
-         ghost_capacity: int | None) -> tuple[KnnResult, jax.Array, jax.Array]:
-    """:func:`knn` plus its overflow flag and the ghost rows needed on this device."""
+def _knn(part: Any, k: int, *, box: Box, query: Any, reduce: Reduce | None, ghost_capacity: int | None,
+         zorder: bool = False) -> tuple[KnnResult, Flags, Any]:
+    """:func:`knn` plus this device's buffer :class:`Flags` and, with ``zorder``, the z-sorted particles."""
     pos, valid = _positions(part, "part")
     n, dim = pos.shape
     _check_k(k, n, valid)
@@ -190,6 +212,14 @@ def _knn(part: Any, k: int, *, box: Box, query: Any, reduce: Reduce | None,
     if ghost_capacity is not None and (isinstance(ghost_capacity, bool) or not isinstance(ghost_capacity, int)
                                        or ghost_capacity < 1):
         raise ValueError(f"knn: ghost_capacity must be a positive int or None, got {ghost_capacity!r}")
+    if not isinstance(zorder, bool):
+        raise TypeError(f"knn: zorder must be a bool, got {zorder!r}")
+    if zorder and query is not None:
+        raise ValueError("knn: zorder=True returns the particles' own rows in z-order and cannot be combined with "
+                         "query=; drop one of them")
+    if zorder and hasattr(part, "pos") and not hasattr(part, "ids"):
+        raise TypeError(f"knn: zorder=True needs a particle pytree with an ids field (e.g. shardax.particles."
+                        f"Particles) to say which particle each sorted row is; {type(part).__name__} has none")
     if query is None:
         qpos, qvalid, qpart = pos, valid, part
     else:
@@ -215,12 +245,10 @@ def _knn(part: Any, k: int, *, box: Box, query: Any, reduce: Reduce | None,
         offset = scan(jnp.sum(valid, dtype=jnp.int32), inclusive=False) if size > 1 else jnp.int32(0)
         ids = offset + jnp.arange(n, dtype=jnp.int32)
     ids = jnp.where(valid, jnp.asarray(ids, jnp.int32), jnp.iinfo(jnp.int32).max)
-    no_overflow = jnp.zeros((), bool)
-    if size > 1 and query is None:
-        static_box = _static_box(box)
-        distances, indices, overflow, needed = distributed_knn(part, pos, valid, ids, k, static_box, boxv, reduce,
-                                                               ghost_capacity)
-        return KnnResult(distances, indices), overflow, needed
+    if (size > 1 or zorder) and query is None:
+        out = distributed_knn(part, pos, valid, ids, k, _static_box(box), boxv, reduce, ghost_capacity,
+                              home=not zorder)
+        return KnnResult(out.distances, out.indices), out.flags, out.zpart
     if size > 1:
         # Separate query points on a mesh: every device searches all particles (exact, not scalable).
         pos, valid, ids = (allgather(x, tiled=True) for x in (pos, valid, ids))
@@ -230,7 +258,8 @@ def _knn(part: Any, k: int, *, box: Box, query: Any, reduce: Reduce | None,
     indices = jnp.where(rows >= 0, ids[jnp.maximum(rows, 0)], -1)
     if reduce is not None:
         indices = reduce(distances=distances, indices=indices, part=qpart)
-    return KnnResult(distances, indices), no_overflow, jnp.zeros((), jnp.int32)
+    no, zero = jnp.zeros((), bool), jnp.zeros((), jnp.int32)
+    return KnnResult(distances, indices), Flags(no, zero, no, zero), None
 
 
 def _static_box(box: Box) -> float | tuple[float, ...] | None:
@@ -242,19 +271,22 @@ def _static_box(box: Box) -> float | tuple[float, ...] | None:
 
 
 @functools.cache
-def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., KnnResult]:
+def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., Any]:
     """``knn.smap(mesh=None, jit=True)``: :func:`knn` on global ``(ndev, n, ...)`` particle arrays.
 
     The returned function takes the arguments of :func:`knn`; ``part`` and ``query`` are global pytrees (e.g. from
     :func:`shardax.particles.from_numpy`), the results have shape ``(ndev, m, k)`` aligned with the query rows.
     Called outside an outer ``jax.jit`` it raises ``ValueError`` for NaN positions or ``k`` larger than the total
-    number of particles, and :class:`shardax.CapacityError` when ``ghost_capacity`` was too small. The constructor
-    is cached per ``(mesh, jit)``: ``knn.smap(mesh)(...)`` in a loop compiles once per set of static arguments.
+    number of particles, and :class:`shardax.CapacityError` when a buffer was too small (``err.argument`` names
+    what to raise: ``ghost_capacity``, or ``capacity_factor`` of the particles when the z-order sort needed more rows
+    than ``part`` has; ``err.needed`` how much). With ``zorder=True`` it returns ``(KnnResult, zpart)`` in the
+    global view. The constructor is cached per ``(mesh, jit)``: ``knn.smap(mesh)(...)`` in a loop compiles once per
+    set of static arguments.
     """
     cache: dict[Hashable, Callable[..., Any]] = {}
 
     def call(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce | None = None,
-             ghost_capacity: int | None = None) -> KnnResult:
+             ghost_capacity: int | None = None, zorder: bool = False) -> KnnResult | tuple[KnnResult, Any]:
         if not (hasattr(part, "pos") and hasattr(part, "num")):
             raise TypeError(f"knn.smap: part must be a global particle pytree with .pos and .num, got "
                             f"{type(part).__name__}")
@@ -269,7 +301,7 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., Kn
         # Pytrees travel as flat leaf lists: smap's spec broadcasting would give an absent (None) field a spec.
         part_leaves, part_def = jax.tree.flatten(part)
         query_leaves, query_def = jax.tree.flatten(query)
-        key = (k, static_box, reduce, ghost_capacity, part_def, query_def)
+        key = (k, static_box, reduce, ghost_capacity, zorder, part_def, query_def)
         fn = cache.get(key)
         if fn is None:
             def body(part_leaves: list[jax.Array], query_leaves: list[jax.Array]) -> tuple:
@@ -287,27 +319,37 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., Kn
                         qpos, qvalid = _positions(query, "query")
                         extent = jnp.maximum(extent, _extent(jnp.concatenate([pos, qpos]),
                                                              jnp.concatenate([valid & finite, qvalid])))
-                result, overflow, needed = _knn(part, k, box=static_box, query=query, reduce=reduce,
-                                                ghost_capacity=ghost_capacity)
-                flags = (allreduce(overflow.astype(jnp.int32), "max"), allreduce(needed, "max"), total, nonfinite,
-                         extent)
-                return result, flags
+                result, flags, zpart = _knn(part, k, box=static_box, query=query, reduce=reduce,
+                                            ghost_capacity=ghost_capacity, zorder=zorder)
+                checks = tuple(allreduce(jnp.asarray(f, jnp.int32), "max") for f in flags)
+                return result, zpart, (*checks, total, nonfinite, extent)
 
-            fn = smap(body, in_specs=(ALL, ALL), out_specs=(ALL, P()), mesh=mesh, jit=jit)
+            fn = smap(body, in_specs=(ALL, ALL), out_specs=(ALL, ALL, P()), mesh=mesh, jit=jit)
             cache[key] = fn
-        result, (overflow, needed, total, nonfinite, extent) = fn(part_leaves, query_leaves)
-        if not isinstance(overflow, Tracer):
+        result, zpart, checks = fn(part_leaves, query_leaves)
+        ghost_overflow, ghost_needed, sort_overflow, sort_needed, total, nonfinite, extent = checks
+        if not isinstance(total, Tracer):
             if int(nonfinite):
                 raise ValueError(f"knn: part has {int(nonfinite)} row(s) with NaN or infinite coordinates; remove or "
                                  "fix them")
             _check_extent(extent, jnp.result_type(part.pos), int(jnp.shape(part.pos)[-1]), "part")
             if k > int(total):
                 raise ValueError(f"knn: k={k} is larger than the number of particles ({int(total)}); lower k")
-            if int(overflow):
-                raise CapacityError(f"knn: a device had to send or receive {int(needed)} neighbour candidate rows "
-                                    f"(or a sort buffer overflowed); pass ghost_capacity= larger than that "
-                                    f"(now {ghost_capacity or 'the default'})")
-        return result
+            ndev, rows_per_device = (int(x) for x in jnp.shape(part.pos)[:2])
+            if int(sort_overflow):
+                raise CapacityError(f"knn: the z-order sort needed {int(sort_needed)} rows on a device but part has "
+                                    f"{rows_per_device} rows per device; build the particles with more room "
+                                    f"(shardax.particles.from_numpy(..., capacity_factor=...) or "
+                                    f"shardax.particles.pad)", needed=int(sort_needed),
+                                    available=rows_per_device, argument="capacity_factor")
+            if int(ghost_overflow):
+                available = ghost_capacity or default_ghost_capacity(rows_per_device, ndev)
+                raise CapacityError(f"knn: a device had to send or receive {int(ghost_needed)} neighbour candidate "
+                                    f"rows but ghost_capacity is {available}"
+                                    f"{'' if ghost_capacity else ' (the default)'}; pass ghost_capacity="
+                                    f"{int(ghost_needed)} or more", needed=int(ghost_needed), available=available,
+                                    argument="ghost_capacity")
+        return (result, zpart) if zorder else result
 
     return call
 

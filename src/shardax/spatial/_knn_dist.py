@@ -6,22 +6,26 @@
    the run's largest bound (an all-gather of ``(chunks, 2, d)`` per device).
 4. Every device sends each of its rows to every other device whose grown boxes contain it (the rows any of that
    device's true neighbourhoods can reach): a surface layer, not the volume.
-5. A second local kNN over own + received rows is exact; ``reduce`` runs on it, and the results travel home.
+5. A second local kNN over own + received rows is exact; ``reduce`` runs on it, and the results travel home (or stay
+   in z-order with the sorted particles, when asked).
+
+On one device steps 2-4 are skipped: the sort and one local kNN (only used for z-order output).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from ..comm import allgather, allreduce, exchange
 from ..core import rank_info
-from ..particles import zsort
-from ..particles._particles import with_num
+from ..particles import Particles
+from ..particles._particles import replace_field, with_num
+from ..particles._zsort import sort_particles
 from ._knn_local import kth_distance_bound, local_knn
 from ._knn_pass import positions_of
 
@@ -50,19 +54,50 @@ def _inside(pos: jax.Array, lo: jax.Array, hi: jax.Array, box: jax.Array | None)
     return jnp.all(hit, axis=-1)
 
 
+class Flags(NamedTuple):
+    """Buffer checks of one device: the ghost buffer (``ghost_capacity``) and the z-order sort (the rows of ``part``)."""
+
+    ghost_overflow: jax.Array
+    ghost_needed: jax.Array
+    sort_overflow: jax.Array
+    sort_needed: jax.Array
+
+
+class DistributedKnn(NamedTuple):
+    distances: jax.Array
+    indices: Any
+    flags: Flags
+    zpart: Any  # the z-sorted particles (``home=False``), else None
+
+
+def default_ghost_capacity(n: int, size: int) -> int:
+    """Ghost rows per device when ``ghost_capacity`` is not given: every other device's rows while that is at most
+    65536, else twice the rows per device (at least 65536)."""
+    return min((size - 1) * n, max(2 * n, 65536))
+
+
+def sorted_with_ids(part: Any, zleaves: list[Any], treedef: Any, znum: jax.Array, zpos: jax.Array,
+                    zids: jax.Array) -> Any:
+    """The user's particle pytree rebuilt from z-sorted leaves, with ``num`` and ``ids`` set (plain arrays become
+    :class:`Particles`)."""
+    if not hasattr(part, "pos"):
+        return Particles(pos=zpos, num=znum, ids=zids)
+    zpart = with_num(jax.tree.unflatten(treedef, zleaves), znum)
+    return replace_field(zpart, "ids", zids)
+
+
 def distributed_knn(part: Any, pos: jax.Array, valid: jax.Array, ids: jax.Array, k: int, box: Any,
                     boxv: jax.Array | None, reduce: Callable[..., Any] | None, ghost_capacity: int | None,
-                    chunks: int = 64) -> tuple[jax.Array, Any, jax.Array, jax.Array]:
+                    home: bool = True, chunks: int = 64) -> DistributedKnn:
     """The kNN of every valid row of ``part`` across all devices of the context (see the module docstring).
 
     Returns:
-        ``(distances (n, k), indices-or-reduced, overflow, needed)`` aligned with the input rows; ``overflow`` is
-        true when a buffer was too small, ``needed`` the ghost rows this device had to send or receive.
+        distances `(n, k)` and indices (or ``reduce``'s output) aligned with the input rows (``home``) or with the
+        rows of ``zpart``, the particles in z-order (``home=False``); the buffer :class:`Flags` of this device.
     """
     rank, size, _ = rank_info()
-    n, dim = pos.shape
-    default = min((size - 1) * n, max(2 * n, 32768))
-    capacity = ghost_capacity if ghost_capacity is not None else default
+    n = pos.shape[0]
+    capacity = ghost_capacity if ghost_capacity is not None else default_ghost_capacity(n, size)
     leaves, treedef = jax.tree.flatten(part)
     num_leaf = getattr(part, "num", None)
     row_leaf = [i for i, leaf in enumerate(leaves) if leaf is not num_leaf and jnp.ndim(leaf) >= 1
@@ -74,15 +109,58 @@ def distributed_knn(part: Any, pos: jax.Array, valid: jax.Array, ids: jax.Array,
     # Rows must be packed before zsort (it reads the first `num` rows); invalid rows are moved behind them.
     order = jnp.argsort(~valid, stable=True)
     carrier = jax.tree.map(lambda x: x[order] if jnp.ndim(x) >= 1 and x.shape[0] == n else x, carrier)
-    sorted_rows, sort_overflow = zsort(carrier, box=box)
+    zsorted = sort_particles(carrier, box, True, None)
+    sorted_rows = zsorted.part
     zpos, znum, zids = sorted_rows.pos, sorted_rows.num, sorted_rows.ids
     zvalid = rows < znum
+    zleaves = list(leaves)
+    for i, field in zip(row_leaf, sorted_rows.fields, strict=True):
+        zleaves[i] = field
+    no = jnp.zeros((), bool)
+    if size == 1:
+        dist2, found = local_knn(zpos, zvalid, zpos, zvalid, zids, k, boxv)
+        all_ids, wanted, received, ghost_overflow = zids, jnp.int32(0), jnp.int32(0), no
+    else:
+        dist2, found, all_ids, wanted, received, ghost_overflow = _with_ghosts(zpos, zvalid, zids, k, boxv, capacity,
+                                                                             chunks)
+    distances = jnp.sqrt(dist2)
+    indices = jnp.where(found >= 0, all_ids[jnp.maximum(found, 0)], -1)
+    if reduce is not None:
+        zpart = jax.tree.unflatten(treedef, zleaves)
+        if num_leaf is not None:
+            zpart = with_num(zpart, znum)
+        indices = reduce(distances=distances, indices=indices, part=zpart)
+    flags = Flags(ghost_overflow | (wanted > capacity), jnp.maximum(wanted, received), zsorted.overflow,
+                  zsorted.needed)
+    if not home:
+        return DistributedKnn(distances, indices, flags, sorted_with_ids(part, zleaves, treedef, znum, zpos, zids))
+
+    # Home: every result row back to the device and row it came from.
+    back, _, home_overflow = exchange({"d": distances, "v": indices, "row": sorted_rows.home_row},
+                                      sorted_rows.home_rank, num=znum, capacity=n)
+    target = jnp.where(jnp.arange(n) < jnp.sum(valid), back["row"], n)
+    distances = jnp.full_like(distances, jnp.inf).at[target].set(back["d"], mode="drop")
+    indices = jax.tree.map(lambda v: jnp.zeros_like(v).at[target].set(v, mode="drop"), back["v"])
+    if reduce is None:
+        indices = jnp.where(valid[:, None], indices, -1)
+    # The trip home cannot overflow unless the sort lost rows (reported as a sort overflow).
+    flags = flags._replace(sort_overflow=flags.sort_overflow | home_overflow)
+    return DistributedKnn(distances, indices, flags, None)
+
+
+def _with_ghosts(zpos: jax.Array, zvalid: jax.Array, zids: jax.Array, k: int, boxv: jax.Array | None,
+                 capacity: int, chunks: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array,
+                                                      jax.Array]:
+    """Steps 2-5 on z-sorted rows: bound, exchange the ghost layer, exact kNN over own + ghost rows."""
+    rank, size, _ = rank_info()
+    n, dim = zpos.shape
+    rows = jnp.arange(n, dtype=jnp.int32)
 
     # Bounding pass on own rows only: the true k-th distance is at most this one.
     radius = jnp.sqrt(kth_distance_bound(zpos, zvalid, k, boxv))
     chunk = -(-n // chunks)
     run = jnp.minimum(rows // chunk, chunks - 1)
-    big = jnp.asarray(jnp.inf, pos.dtype)
+    big = jnp.asarray(jnp.inf, zpos.dtype)
     lo = jax.ops.segment_min(jnp.where(zvalid[:, None], zpos, big), run, num_segments=chunks)
     hi = jax.ops.segment_max(jnp.where(zvalid[:, None], zpos, -big), run, num_segments=chunks)
     grow = jax.ops.segment_max(jnp.where(zvalid, radius, -big), run, num_segments=chunks)
@@ -102,24 +180,4 @@ def distributed_knn(part: Any, pos: jax.Array, valid: jax.Array, ids: jax.Array,
     all_valid = jnp.concatenate([zvalid, jnp.arange(capacity) < ghost_num])
     all_ids = jnp.concatenate([zids, jnp.where(all_valid[n:], ghosts["ids"], jnp.iinfo(jnp.int32).max)])
     dist2, found = local_knn(all_pos, all_valid, zpos, zvalid, all_ids, k, boxv)
-    distances = jnp.sqrt(dist2)
-    indices = jnp.where(found >= 0, all_ids[jnp.maximum(found, 0)], -1)
-    if reduce is not None:
-        zleaves = list(leaves)
-        for i, field in zip(row_leaf, sorted_rows.fields, strict=True):
-            zleaves[i] = field
-        zpart = jax.tree.unflatten(treedef, zleaves)
-        if num_leaf is not None:
-            zpart = with_num(zpart, znum)
-        indices = reduce(distances=distances, indices=indices, part=zpart)
-
-    # Home: every result row back to the device and row it came from.
-    home, _, home_overflow = exchange({"d": distances, "v": indices, "row": sorted_rows.home_row},
-                                      sorted_rows.home_rank, num=znum, capacity=n)
-    target = jnp.where(jnp.arange(n) < jnp.sum(valid), home["row"], n)
-    distances = jnp.full_like(distances, jnp.inf).at[target].set(home["d"], mode="drop")
-    indices = jax.tree.map(lambda v: jnp.zeros_like(v).at[target].set(v, mode="drop"), home["v"])
-    if reduce is None:
-        indices = jnp.where(valid[:, None], indices, -1)
-    overflow = sort_overflow | (wanted > capacity) | ghost_overflow | home_overflow
-    return distances, indices, overflow, jnp.maximum(wanted, received)
+    return dist2, found, all_ids, wanted, received, ghost_overflow
