@@ -21,7 +21,9 @@ class CapacityError(ShardaxError, ValueError):
     Attributes:
         needed: the capacity the data needed (per device, the maximum over devices).
         available: the capacity the buffer had.
-        argument: the name of the argument to raise.
+        argument: the name of the argument of the call that raised to increase (e.g. ``ghost_capacity``), so that a
+            retry loop can pass ``{err.argument: err.needed}``; ``None`` when no argument of that call fixes it (the
+            message says what to change instead).
     """
 
     def __init__(self, message: str, *, needed: int | None = None, available: int | None = None,

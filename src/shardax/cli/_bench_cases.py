@@ -318,8 +318,7 @@ def _case_knn(ctx: Context, n: int, k: int = 9) -> list[Timing]:
     pos = _points(n)
     part = ctx.particles(pos)
     search = knn.smap(ctx.mesh)
-    # knn's CapacityError carries no argument or size (only its message does): retry once with room for all rows.
-    ours, setup_s = _retry_capacity(lambda **options: search(part, k, **options), {"ghost_capacity": n})
+    ours, setup_s = _retry_capacity(lambda **options: search(part, k, **options))
     return ctx.time("knn", n, ours, {"cKDTree": lambda: cKDTree(pos).query(pos, k=k, workers=-1)}, setup_s=setup_s)
 
 

@@ -277,9 +277,9 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
     The returned function takes the arguments of :func:`knn`; ``part`` and ``query`` are global pytrees (e.g. from
     :func:`shardax.particles.from_numpy`), the results have shape ``(ndev, m, k)`` aligned with the query rows.
     Called outside an outer ``jax.jit`` it raises ``ValueError`` for NaN positions or ``k`` larger than the total
-    number of particles, and :class:`shardax.CapacityError` when a buffer was too small (``err.argument`` names
-    what to raise: ``ghost_capacity``, or ``capacity_factor`` of the particles when the z-order sort needed more rows
-    than ``part`` has; ``err.needed`` how much). With ``zorder=True`` it returns ``(KnnResult, zpart)`` in the
+    number of particles, and :class:`shardax.CapacityError` when a buffer was too small: ``err.argument ==
+    "ghost_capacity"`` and ``err.needed`` the rows to pass, or ``err.argument is None`` when the z-order sort needed
+    more rows per device than ``part`` has (``err.needed`` of them; build ``part`` with a larger ``capacity_factor``). With ``zorder=True`` it returns ``(KnnResult, zpart)`` in the
     global view. The constructor is cached per ``(mesh, jit)``: ``knn.smap(mesh)(...)`` in a loop compiles once per
     set of static arguments.
     """
@@ -341,7 +341,7 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
                                     f"{rows_per_device} rows per device; build the particles with more room "
                                     f"(shardax.particles.from_numpy(..., capacity_factor=...) or "
                                     f"shardax.particles.pad)", needed=int(sort_needed),
-                                    available=rows_per_device, argument="capacity_factor")
+                                    available=rows_per_device)
             if int(ghost_overflow):
                 available = ghost_capacity or default_ghost_capacity(rows_per_device, ndev)
                 raise CapacityError(f"knn: a device had to send or receive {int(ghost_needed)} neighbour candidate "
