@@ -1,20 +1,30 @@
 """kNN benchmark: ``sx.spatial.knn`` against ``scipy.spatial.cKDTree`` (build + query, workers=-1), side by side.
 
-Each repetition times both codes back to back on the same data, so the ratio is robust to the load of a shared
-machine; medians are reported. ``--devices N`` runs ``knn.smap`` on N CPU devices of this process instead.
+One run times, on the same points: cKDTree, ``knn.smap`` on 1 device and on 8 CPU devices of this process,
+(``--processes 2``) 2 processes x 4 devices launched through ``shardax launch``, and ``jax.jit(knn)`` on a plain
+array in a subprocess with a single CPU device (the single-device setting; cKDTree is timed again there). Each
+repetition times the in-process codes back to back, so the ratios are robust to the load of a shared machine;
+medians are reported.
+Every result is checked against cKDTree (distances to float tolerance, indices equal but for ties).
 
-    python benchmarks/knn.py                        # 1e6 uniform, 1e6 clustered, k=9 and k=32, 1 device
-    python benchmarks/knn.py --n 200000 --repeat 5
-    python benchmarks/knn.py --devices 8 --cases uniform
+    python benchmarks/knn.py --processes 2          # 1e6 uniform, 1e6 clustered, k=9 and k=32
+    python benchmarks/knn.py --n 200000 --repeat 5 --cases blobs
+
+Also reports the ghost rows each device receives on 8 devices at ``n / 8`` and ``n`` points: the exchange must grow
+like the surface of a device's piece of space (x4 for x8 points), not like its volume (x8).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
 
 def parse() -> argparse.Namespace:
@@ -23,8 +33,12 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--cases", default="uniform,blobs,uniform-k32",
                         help="comma-separated: uniform, blobs, uniform-k32, blobs-k32, uniform-periodic")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--devices", type=int, default=1, help="CPU devices (knn.smap when > 1)")
+    parser.add_argument("--devices", default="1,8", help="device counts of this process to run knn.smap on")
+    parser.add_argument("--processes", type=int, default=0, help="also run on this many processes x 4 devices")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args()
 
 
@@ -43,86 +57,229 @@ def make_points(kind: str, n: int, seed: int):
     return np.mod(pos, 1.0).astype(np.float32)
 
 
-def main() -> None:
-    args = parse()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
+def parse_case(case: str) -> tuple[str, int, float | None]:
+    kind, _, ksuffix = case.partition("-k")
+    periodic = kind.endswith("-periodic")
+    return kind.removesuffix("-periodic"), int(ksuffix) if ksuffix else 9, 1.0 if periodic else None
 
-    if args.devices > 1:
-        jax.config.update("jax_num_cpu_devices", args.devices)
-    import jax.numpy as jnp
+
+def shardax_knn(pos, k: int, box: float | None, ndev: int):
+    """A callable running ``knn.smap`` on ``ndev`` devices (all when 0), its first result, the input and the mesh."""
+    import jax
     import numpy as np
-    from scipy.spatial import cKDTree
+    from jax.sharding import Mesh
 
     import shardax as sx
     from shardax.spatial import knn
 
-    print(f"jax {jax.__version__}, {jax.device_count()} device(s), n={args.n}, python {sys.version.split()[0]}")
-    print(f"{'case':<18} {'shardax s':>10} {'cKDTree s':>10} {'ratio':>6} {'compile s':>10} {'exact':>6}")
-    for case in args.cases.split(","):
-        kind, _, ksuffix = case.partition("-k")
-        periodic = kind.endswith("-periodic")
-        kind = kind.removesuffix("-periodic")
-        k = int(ksuffix) if ksuffix else 9
-        box = 1.0 if periodic else None
-        pos = make_points(kind, args.n, args.seed)
-        if args.devices > 1:
-            part = sx.particles.from_numpy(pos)
-            fn = knn.smap()
+    devices = jax.devices() if ndev == 0 else jax.devices()[:ndev]
+    mesh = Mesh(np.array(devices), ("d",))
+    me, nproc = jax.process_index(), jax.process_count()
+    rows = np.array_split(np.arange(len(pos)), nproc)[me]
+    part = sx.particles.from_numpy(pos[rows], mesh=mesh)
+    fn = knn.smap(mesh)
 
-            def run(part=part, fn=fn, k=k, box=box):
-                return jax.block_until_ready(fn(part, k, box=box))
-        else:
-            data = jnp.asarray(pos)
-            fn = jax.jit(lambda p, k=k, box=box: knn(p, k, box=box))
+    def run():
+        return jax.block_until_ready(fn(part, k, box=box))
 
-            def run(data=data, fn=fn):
-                return jax.block_until_ready(fn(data))
-
-        t0 = time.perf_counter()
-        res = run()
-        compile_s = time.perf_counter() - t0
-        ours, theirs = [], []
-        for _ in range(args.repeat):
-            t0 = time.perf_counter()
-            res = run()
-            ours.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            ref_d, ref_i = cKDTree(pos, boxsize=box).query(pos, k=k, workers=-1)
-            theirs.append(time.perf_counter() - t0)
-        dist = np.asarray(res.distances)
-        idx = np.asarray(res.indices)
-        if args.devices > 1:
-            valid = np.arange(idx.shape[1])[None, :] < np.asarray(part.num)[:, None]
-            order = np.argsort(np.asarray(part.ids)[valid])
-            dist, idx = dist[valid][order], idx[valid][order]
-        exact = bool(np.allclose(dist, ref_d, rtol=1e-5, atol=1e-6)) and float(np.mean(idx == ref_i)) > 0.9999
-        t_ours, t_theirs = statistics.median(ours), statistics.median(theirs)
-        print(f"{case:<18} {t_ours:>10.2f} {t_theirs:>10.2f} {t_ours / t_theirs:>6.2f} {compile_s:>10.1f} "
-              f"{exact!s:>6}", flush=True)
-        if args.devices > 1:
-            report_ghosts(part, k, box)
+    return run, run(), part, mesh
 
 
-def report_ghosts(part, k, box) -> None:
-    """Rows each device receives from the others (the ghost layer) against the rows it holds."""
+def gathered(res, part):
+    """Distances and indices of the valid rows in global input order (``ids``), as NumPy arrays."""
     import numpy as np
+    from jax.experimental import multihost_utils
+
+    def host(x):
+        return np.asarray(x if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True))
+
+    dist, idx, num, ids = (host(x) for x in (res.distances, res.indices, part.num, part.ids))
+    valid = np.arange(idx.shape[1])[None, :] < num[:, None]
+    order = np.argsort(ids[valid])
+    return dist[valid][order], idx[valid][order]
+
+
+def exact(res, part, ref_d, ref_i) -> bool:
+    import numpy as np
+
+    dist, idx = gathered(res, part)
+    return bool(np.allclose(dist, ref_d, rtol=1e-5, atol=1e-6)) and float(np.mean(idx == ref_i)) > 0.9999
+
+
+def ghost_rows(part, k: int, box: float | None, mesh) -> float:
+    """Mean rows each device sends to or receives from the others (the ghost layer)."""
+    import numpy as np
+    from jax.experimental import multihost_utils
     from jax.sharding import PartitionSpec as P
 
     import shardax as sx
     from shardax.spatial._knn import _knn
 
     def ghosts(part):
-        _, _, needed = _knn(part, k, box=box, query=None, reduce=None, ghost_capacity=None)
-        return needed
+        _, flags, _ = _knn(part, k, box=box, query=None, reduce=None, ghost_capacity=None)
+        return flags.ghost_needed
 
-    needed = np.asarray(sx.smap(ghosts, in_specs=(sx.ALL,), out_specs=P(sx.ALL), jit=True)(part))
-    rows = np.asarray(part.num)
-    dim = part.pos.shape[-1]
-    per_row = 4 * dim + 4
-    print(f"  ghost rows sent per device: mean {needed.mean():.0f} (max {needed.max()}) for {rows.mean():.0f} rows "
-          f"per device ({needed.mean() / rows.mean():.2f} per row; {needed.mean() * per_row / 2**20:.2f} MiB of "
-          f"positions and ids, plus {rows.mean() * k * 8 / 2**20:.2f} MiB of results going home)", flush=True)
+    needed = sx.smap(ghosts, in_specs=(sx.ALL,), out_specs=P(sx.ALL), mesh=mesh, jit=True)(part)
+    if not needed.is_fully_addressable:
+        needed = multihost_utils.process_allgather(needed, tiled=True)
+    return float(np.mean(np.asarray(needed)))
+
+
+def single_device_process(args: argparse.Namespace, case: str) -> dict:
+    """``jax.jit(knn)`` on a plain array in a process with one CPU device (the issue's single-device setting),
+    interleaved with cKDTree there; run as a subprocess of the main run."""
+    import subprocess
+
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "1"}
+    cmd = [sys.executable, __file__, "--single", "--n", str(args.n), "--repeat", str(args.repeat), "--cases", case,
+           "--seed", str(args.seed)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3000)
+    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"single-device run failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+    return json.loads(lines[0].split("RESULT ", 1)[1])
+
+
+def single(args: argparse.Namespace) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from scipy.spatial import cKDTree
+
+    from shardax.spatial import knn
+
+    kind, k, box = parse_case(args.cases)
+    pos = make_points(kind, args.n, args.seed)
+    data = jnp.asarray(pos)
+    fn = jax.jit(lambda p: knn(p, k, box=box))
+    jax.block_until_ready(fn(data))
+    ours, theirs = [], []
+    for _ in range(args.repeat):
+        t0 = time.perf_counter()
+        res = jax.block_until_ready(fn(data))
+        ours.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        ref_d, ref_i = cKDTree(pos, boxsize=box).query(pos, k=k, workers=-1)
+        theirs.append(time.perf_counter() - t0)
+    import numpy as np
+
+    ok = bool(np.allclose(np.asarray(res.distances), ref_d, rtol=1e-5, atol=1e-6)) and \
+        float(np.mean(np.asarray(res.indices) == ref_i)) > 0.9999
+    return {"time": statistics.median(ours), "cKDTree": statistics.median(theirs), "exact": ok}
+
+
+def worker(args: argparse.Namespace) -> dict:
+    """Timings on all devices of this (launched) run, checked against cKDTree on process 0."""
+    import jax
+    from scipy.spatial import cKDTree
+
+    import shardax as sx
+
+    sx.initialize()
+    out = {}
+    for case in args.cases.split(","):
+        kind, k, box = parse_case(case)
+        pos = make_points(kind, args.n, args.seed)
+        t0 = time.perf_counter()
+        run, res, part, _ = shardax_knn(pos, k, box, 0)
+        compile_s = time.perf_counter() - t0
+        times = []
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            res = run()
+            times.append(time.perf_counter() - t0)
+        ref_d, ref_i = cKDTree(pos, boxsize=box).query(pos, k=k, workers=-1)
+        out[case] = {"time": statistics.median(times), "compile": compile_s, "exact": exact(res, part, ref_d, ref_i),
+                     "devices": jax.device_count()}
+    return out
+
+
+def main() -> None:
+    args = parse()
+    if args.single:
+        print("RESULT " + json.dumps(single(args)), flush=True)
+        return
+    if args.worker:
+        result = worker(args)
+        import jax
+
+        if jax.process_index() == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+        return
+    import jax
+    from scipy.spatial import cKDTree
+
+    counts = [int(c) for c in args.devices.split(",")]
+    print(f"jax {jax.__version__}, {jax.device_count()} device(s), n={args.n}, python {sys.version.split()[0]}")
+    results: dict = {"n": args.n, "cases": {}}
+    for case in args.cases.split(","):
+        kind, k, box = parse_case(case)
+        pos = make_points(kind, args.n, args.seed)
+        runs, compile_s = {}, {}
+        for ndev in counts:
+            t0 = time.perf_counter()
+            runs[ndev] = shardax_knn(pos, k, box, ndev)
+            compile_s[ndev] = time.perf_counter() - t0
+        times: dict[str, list[float]] = {"cKDTree": [], **{f"{d} dev": [] for d in counts}}
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            ref_d, ref_i = cKDTree(pos, boxsize=box).query(pos, k=k, workers=-1)
+            times["cKDTree"].append(time.perf_counter() - t0)
+            for ndev in counts:
+                t0 = time.perf_counter()
+                runs[ndev][0]()
+                times[f"{ndev} dev"].append(time.perf_counter() - t0)
+        row = {name: statistics.median(ts) for name, ts in times.items()}
+        row.update({f"exact {d} dev": exact(runs[d][1], runs[d][2], ref_d, ref_i) for d in counts})
+        row.update({f"compile {d} dev": compile_s[d] for d in counts})
+        if args.processes:
+            from shardax.testing import launch_script
+
+            launched = launch_script(__file__, "--worker", "--n", str(args.n), "--repeat", str(args.repeat),
+                                     "--cases", case, "--seed", str(args.seed), num_processes=args.processes,
+                                     cpu_devices=4, timeout_s=3000)
+            lines = [x for x in launched.output.splitlines() if "RESULT " in x]
+            if launched.returncode != 0 or not lines:
+                raise RuntimeError(f"multi-process run failed:\n{launched.output[-3000:]}")
+            mp = json.loads(lines[0].split("RESULT ", 1)[1])[case]
+            row[f"{args.processes}x4"] = mp["time"]
+            row[f"exact {args.processes}x4"] = mp["exact"]
+        sp = single_device_process(args, case)
+        row.update({"1-device process": sp["time"], "cKDTree (1-device process)": sp["cKDTree"],
+                    "exact 1-device process": sp["exact"]})
+        results["cases"][case] = row
+        one = row[f"{counts[0]} dev"]
+        ratios = [f"1-device process / cKDTree {sp['time'] / sp['cKDTree']:.2f}x",
+                  f"{counts[0]} dev / cKDTree {one / row['cKDTree']:.2f}x"]
+        ratios += [f"{d} dev / {counts[0]} dev {row[f'{d} dev'] / one:.2f}x "
+                   f"(/ 1-device process {row[f'{d} dev'] / sp['time']:.2f}x)" for d in counts[1:]]
+        if args.processes:
+            mp = row[f"{args.processes}x4"]
+            ratios.append(f"{args.processes}x4 / {counts[0]} dev {mp / one:.2f}x (/ 1-device process "
+                          f"{mp / sp['time']:.2f}x)")
+        timings = ", ".join(f"{name} {row[name]:.2f} s" for name in times)
+        mp_time = f", {args.processes}x4 {row[f'{args.processes}x4']:.2f} s" if args.processes else ""
+        single_time = f", 1-device process {sp['time']:.2f} s (cKDTree there {sp['cKDTree']:.2f} s)"
+        checks = all(v for name, v in row.items() if name.startswith("exact"))
+        print(f"{case}: {timings}{mp_time}{single_time} | {'; '.join(ratios)} | exact {checks}", flush=True)
+    if max(counts) > 1:
+        # Surface scaling of the ghost exchange, uniform k=9, on the largest device count.
+        ndev = max(counts)
+        small = max(args.n // 8, 1000)
+        sizes = {}
+        for n in (small, args.n):
+            pos = make_points("uniform", n, args.seed + 1)
+            _, _, part, mesh = shardax_knn(pos, 9, None, ndev)
+            sizes[n] = ghost_rows(part, 9, None, mesh)
+        ratio = sizes[args.n] / max(sizes[small], 1.0)
+        results["surface"] = {"n_small": small, "ghost_rows_small": sizes[small], "ghost_rows_big": sizes[args.n],
+                              "ratio": ratio}
+        print(f"ghost rows per device ({ndev} devices, k=9): {sizes[small]:.0f} at n={small}, {sizes[args.n]:.0f} at "
+              f"n={args.n}: x{ratio:.2f} for x{args.n / small:.0f} points (surface law "
+              f"x{(args.n / small) ** (2 / 3):.2f}, volume x{args.n / small:.0f}); "
+              f"{16 * sizes[args.n] / 2**20:.2f} MiB of positions and ids per device", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
