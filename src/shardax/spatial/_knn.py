@@ -173,9 +173,10 @@ def knn(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce
         the result rows are aligned with ``zpart``'s rows.
 
     Raises:
-        TypeError: ``k`` not an int, positions not float.
+        TypeError: ``k`` not an int, positions not float, ``zorder`` not a bool, ``zorder=True`` for a pytree
+            without an ``ids`` field.
         ValueError: ``k < 1``, ``k`` larger than the number of particles, NaN positions, ``query`` with another
-            dimension than ``part``, a bad ``box``.
+            dimension than ``part``, a bad ``box``, ``zorder=True`` together with ``query``.
 
     Example:
         >>> import jax, jax.numpy as jnp
