@@ -280,8 +280,8 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
     Called outside an outer ``jax.jit`` it raises ``ValueError`` for NaN positions or ``k`` larger than the total
     number of particles, and :class:`shardax.CapacityError` when a buffer was too small: ``err.argument ==
     "ghost_capacity"`` and ``err.needed`` the rows to pass, or ``err.argument is None`` when the z-order sort needed
-    more rows per device than ``part`` has (``err.needed`` of them; build ``part`` with a larger ``capacity_factor``). With ``zorder=True`` it returns ``(KnnResult, zpart)`` in the
-    global view. The constructor is cached per ``(mesh, jit)``: ``knn.smap(mesh)(...)`` in a loop compiles once per
+    more rows per device than ``part`` has (``err.needed`` of them; build ``part`` with a larger
+    ``capacity_factor``). With ``zorder=True`` it returns ``(KnnResult, zpart)`` in the global view. The constructor is cached per ``(mesh, jit)``: ``knn.smap(mesh)(...)`` in a loop compiles once per
     set of static arguments.
     """
     cache: dict[Hashable, Callable[..., Any]] = {}

@@ -76,16 +76,6 @@ def default_ghost_capacity(n: int, size: int) -> int:
     return min((size - 1) * n, max(2 * n, 65536))
 
 
-def sorted_with_ids(part: Any, zleaves: list[Any], treedef: Any, znum: jax.Array, zpos: jax.Array,
-                    zids: jax.Array) -> Any:
-    """The user's particle pytree rebuilt from z-sorted leaves, with ``num`` and ``ids`` set (plain arrays become
-    :class:`Particles`)."""
-    if not hasattr(part, "pos"):
-        return Particles(pos=zpos, num=znum, ids=zids)
-    zpart = with_num(jax.tree.unflatten(treedef, zleaves), znum)
-    return replace_field(zpart, "ids", zids)
-
-
 def distributed_knn(part: Any, pos: jax.Array, valid: jax.Array, ids: jax.Array, k: int, box: Any,
                     boxv: jax.Array | None, reduce: Callable[..., Any] | None, ghost_capacity: int | None,
                     home: bool = True, chunks: int = 64) -> DistributedKnn:
@@ -125,15 +115,17 @@ def distributed_knn(part: Any, pos: jax.Array, valid: jax.Array, ids: jax.Array,
                                                                              chunks)
     distances = jnp.sqrt(dist2)
     indices = jnp.where(found >= 0, all_ids[jnp.maximum(found, 0)], -1)
+    # The user's pytree in z-order (what ``reduce`` sees, and with ``ids`` what ``home=False`` returns).
+    zpart = jax.tree.unflatten(treedef, zleaves)
+    if num_leaf is not None:
+        zpart = with_num(zpart, znum)
     if reduce is not None:
-        zpart = jax.tree.unflatten(treedef, zleaves)
-        if num_leaf is not None:
-            zpart = with_num(zpart, znum)
         indices = reduce(distances=distances, indices=indices, part=zpart)
     flags = Flags(ghost_overflow | (wanted > capacity), jnp.maximum(wanted, received), zsorted.overflow,
                   zsorted.needed)
     if not home:
-        return DistributedKnn(distances, indices, flags, sorted_with_ids(part, zleaves, treedef, znum, zpos, zids))
+        zpart = replace_field(zpart, "ids", zids) if hasattr(part, "pos") else Particles(pos=zpos, num=znum, ids=zids)
+        return DistributedKnn(distances, indices, flags, zpart)
 
     # Home: every result row back to the device and row it came from.
     back, _, home_overflow = exchange({"d": distances, "v": indices, "row": sorted_rows.home_row},
