@@ -13,8 +13,9 @@ run so that the shared-machine noise affects them alike; the 2x4 run is a separa
 - ``zsort 1 device``: the local view under ``jax.jit`` (keys, packed 64-bit sort, one gather of all fields).
 - ``zsort 8 devices``: ``zsort.smap`` on 8 CPU devices of this process (the same 2 cores), same total.
 - ``zsort 2x4``: the same under ``shardax launch -n 2 --cpu-devices 4``.
-- peak memory per device from XLA's memory analysis (arguments + outputs + temporaries) relative to the particle
-  buffers (``capacity x bytes per particle``, capacity factor 1.25).
+- peak memory per device from XLA's memory analysis (arguments + outputs + temporaries, less the donated buffers
+  the outputs reuse) relative to the particle buffers (``capacity x bytes per particle``), without and with
+  donation of the input (``zsort.smap(mesh, donate=True)``).
 """
 
 from __future__ import annotations
@@ -68,26 +69,32 @@ def single_process(n: int, repeat: int) -> dict[str, float]:
         fns[f"zsort {ndev} devices"] = lambda: sort(glob, box=1.0)
     out = _interleaved(fns, repeat)
     out["memory ratio 1 device"] = _memory_ratio(local, part)
+    out["memory ratio 1 device, donated"] = _memory_ratio(jax.jit(lambda p: zsort(p, box=1.0), donate_argnums=0),
+                                                          part)
     if ndev > 1:
         leaves, treedef = jax.tree.flatten(glob)
 
         def body(leaves: list[jax.Array]) -> Any:
             return zsort(jax.tree.unflatten(treedef, leaves), box=1.0)
 
-        out[f"memory ratio {ndev} devices"] = _memory_ratio(
-            jax.jit(sx.smap(body, in_specs=(sx.ALL,), out_specs=sx.ALL, mesh=mesh)), leaves)
+        for donate, label in (((), ""), ((0,), ", donated")):
+            # What zsort.smap(mesh) and zsort.smap(mesh, donate=True) compile.
+            fn = jax.jit(sx.smap(body, in_specs=(sx.ALL,), out_specs=sx.ALL, mesh=mesh), donate_argnums=donate)
+            out[f"memory ratio {ndev} devices{label}"] = _memory_ratio(fn, leaves)
     return out
 
 
 def _memory_ratio(fn: Any, part: Any) -> float:
-    """Peak bytes per device (arguments + outputs + temporaries) over the particle buffers' bytes per device."""
+    """Peak bytes per device (arguments + outputs - donated buffers reused by outputs + temporaries) over the
+    particle buffers' bytes per device."""
     import jax
 
     stats = fn.lower(part).compile().memory_analysis()
     leaves = jax.tree.leaves(part)
     ndev = len(leaves[0].sharding.device_set)
     data = sum(leaf.nbytes for leaf in leaves if leaf.ndim >= 1 and leaf.size > ndev) / ndev
-    peak = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+    peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+            + stats.temp_size_in_bytes)
     return peak / data
 
 

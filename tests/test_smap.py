@@ -154,3 +154,22 @@ def test_keyword_only_parameters_and_constructor_cache():
     assert draw.smap(mesh) is draw.smap(mesh)
     f = sx.smap(lambda x, *, k: x * k, in_specs=(P(sx.ALL), None), out_specs=P(sx.ALL), mesh=mesh)
     np.testing.assert_array_equal(f(jnp.ones((2, 2)), k=3), 3 * np.ones((2, 2)))
+
+
+def test_donate_argnums():
+    """Donated arguments are consumed and give the same result; bad values are rejected with the argument named."""
+    mesh = make_mesh((2,))
+    double = sx.smap(lambda x, k: x * k, in_specs=(P(sx.ALL), None), out_specs=P(sx.ALL), mesh=mesh, jit=True,
+                     donate_argnums=0)
+    x = jax.device_put(jnp.arange(8.0).reshape(2, 4), jax.sharding.NamedSharding(mesh, P(mesh.axis_names)))
+    out = double(x, 3.0)
+    assert x.is_deleted()
+    np.testing.assert_array_equal(out, 3 * np.arange(8.0).reshape(2, 4))
+    with pytest.raises(ValueError, match="donate_argnums needs jit=True"):
+        sx.smap(lambda x: x, in_specs=P(sx.ALL), out_specs=P(sx.ALL), mesh=mesh, donate_argnums=0)
+    with pytest.raises(TypeError, match="donate_argnums must be"):
+        sx.smap(lambda x: x, in_specs=P(sx.ALL), out_specs=P(sx.ALL), mesh=mesh, jit=True, donate_argnums="x")
+    static = sx.smap(lambda x, k: x * k, in_specs=(P(sx.ALL), None), out_specs=P(sx.ALL), mesh=mesh, jit=True,
+                     donate_argnums=1)
+    with pytest.raises(ValueError, match="static ones cannot be donated"):
+        static(jnp.ones((2, 4)), 2.0)

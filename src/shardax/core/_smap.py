@@ -185,7 +185,7 @@ def _expand_leading(spec: PartitionSpec) -> Callable[[jax.Array], jax.Array]:
 
 
 def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = None, expand: bool = True,
-         jit: bool = False) -> Callable:
+         jit: bool = False, donate_argnums: int | tuple[int, ...] = ()) -> Callable:
     """``jax.shard_map`` with the conveniences of MPI-style particle codes.
 
     On top of ``jax.shard_map``:
@@ -196,7 +196,9 @@ def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = N
     - with ``expand=True`` an input sharded along its leading axis, of global shape ``(ndev, n, ...)``, arrives in
       ``f`` as ``(n, ...)``, and every output sharded along its leading axis (scalars included) leaves with a
       leading ``ndev`` axis: jz-tree's expanding shard_map;
-    - ``jit=True`` returns a jitted function (one compilation per set of static values).
+    - ``jit=True`` returns a jitted function (one compilation per set of static values), and ``donate_argnums``
+      hands the buffers of those arguments to it (as in ``jax.jit``): outputs of the same shape and sharding reuse
+      them, which saves a copy of the data per device, and the donated arrays cannot be used after the call.
 
     Args:
         f: the local-view function.
@@ -206,6 +208,8 @@ def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = N
         mesh: the mesh; default as above.
         expand: the expanding convention above (``False`` gives plain ``shard_map`` tiling).
         jit: wrap the result in ``jax.jit``.
+        donate_argnums: positional argument(s) whose buffers the jitted call may reuse (needs ``jit=True``; not a
+            static argument).
 
     Returns:
         The global function, taking the same arguments as ``f`` (keyword arguments are bound by ``f``'s signature).
@@ -226,6 +230,12 @@ def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = N
         raise TypeError(f"smap needs a callable, got {type(f).__name__}")
     if not isinstance(expand, bool) or not isinstance(jit, bool):
         raise TypeError(f"expand and jit must be bool, got expand={expand!r}, jit={jit!r}")
+    donate = (donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums
+    if not isinstance(donate, tuple) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                 for i in donate):
+        raise TypeError(f"donate_argnums must be a non-negative int or a tuple of them, got {donate_argnums!r}")
+    if donate and not jit:
+        raise ValueError("donate_argnums needs jit=True (only a jitted call can reuse the donated buffers)")
     try:
         signature: inspect.Signature | None = inspect.signature(f)
     except (TypeError, ValueError):
@@ -291,7 +301,11 @@ def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = N
         if fn is None:
             fn = _build(f, the_mesh, args, static, tuple(dyn_specs), out_specs, expand, name)
             if jit:
-                fn = jax.jit(fn)
+                for i in donate:
+                    if i >= len(args) or i in static:
+                        raise ValueError(f"donate_argnums={donate_argnums!r}: {i} is not a positional array "
+                                         f"argument of {name} (it has {len(args)}; static ones cannot be donated)")
+                fn = jax.jit(fn, donate_argnums=tuple(dyn_idx.index(i) for i in donate))
                 cache[key] = fn
         leaves = jax.tree.leaves(dyn_args)
         if any(isinstance(leaf, Tracer) for leaf in leaves):

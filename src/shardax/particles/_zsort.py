@@ -29,7 +29,7 @@ from ..core import ALL, rank_info, smap
 from ._domain import Domain, domain_of
 from ._morton import Box, KeyBox, key_box, morton_key, periodic_box, wrap
 from ._particles import check_positions, map_rows, replace_field, with_num
-from ._rows import RowPack, resize_rows, send_rows, take_rows
+from ._rows import RowLeaves, resize_rows, send_rows, take_rows
 from ._sort import argsort_keys
 
 T = TypeVar("T")
@@ -131,12 +131,13 @@ def _group(dest: jax.Array, valid: jax.Array, size: int) -> tuple[jax.Array, jax
     return argsort_keys(bucket.astype(jnp.uint32), rows.astype(jnp.uint32)), counts
 
 
-def _equal_counts(num: jax.Array, size: int) -> jax.Array:
-    """Rows this device sends to each device so that device ``d`` ends with ``total // size`` (+1 for the first
-    ``total % size``) rows of the global order; this device's rows start at the total count of the lower ranks."""
-    counts = allgather(num)
+def _equal_counts(counts: jax.Array, size: int, rank: jax.Array | int) -> jax.Array:
+    """Rows device ``rank`` sends to each device so that device ``d`` ends with ``total // size`` (+1 for the first
+    ``total % size``) rows of the global order, given every device's row count ``counts`` (`(size,)`); device
+    ``rank``'s rows start at the total count of the lower ranks."""
+    num = counts[rank]
     total = jnp.sum(counts)
-    start = jnp.sum(jnp.where(jnp.arange(size) < rank_info().rank, counts, 0))
+    start = jnp.sum(jnp.where(jnp.arange(size) < rank, counts, 0))
     ranks = jnp.arange(size, dtype=jnp.int32)
     base, extra = total // size, total % size
     first = ranks * base + jnp.minimum(ranks, extra)
@@ -144,27 +145,34 @@ def _equal_counts(num: jax.Array, size: int) -> jax.Array:
     return jnp.clip(jnp.minimum(start + num, last) - jnp.maximum(start, first), 0, None).astype(jnp.int32)
 
 
-def _equalize(arrays: list[jax.Array], num: jax.Array, size: int, cap: int) -> tuple[list[jax.Array], jax.Array]:
-    """Cut the globally sorted rows into the equal split; returns the arrays and the rows this device now holds.
+def _equalize(arrays: list[jax.Array], order: jax.Array, num: jax.Array, size: int, cap: int
+              ) -> tuple[list[jax.Array], jax.Array]:
+    """Cut the globally sorted rows ``a[order]`` into the equal split; returns the arrays and the rows this device
+    now holds.
 
     Only the rows that change device go through ``alltoallv`` (near balance: short slices to the neighbours, one
-    round); the slice that stays is spliced between the rows from lower and from higher ranks.
+    round). The slice that stays is placed first, at its final rows, in the buffer the moved rows are received
+    into; rows from lower ranks land before it and rows from higher ranks after it. No sorted copy is built.
     """
-    send = _equal_counts(num, size)
     rank = rank_info().rank
+    counts = allgather(num)
+    send = _equal_counts(counts, size, rank)
     ranks = jnp.arange(size, dtype=jnp.int32)
+    # What every source sends me follows from the counts alone.
+    recv = jax.vmap(lambda r: _equal_counts(counts, size, r)[rank])(ranks)
     keep = jnp.sum(jnp.where(ranks == rank, send, 0))
     keep_start = jnp.sum(jnp.where(ranks < rank, send, 0))
-    rows = jnp.arange(cap, dtype=jnp.int32)
-    foreign = take_rows(arrays, jnp.where(rows < keep_start, rows, rows + keep))
-    moved, recv = send_rows(foreign, jnp.where(ranks == rank, 0, send), cap)
     from_lower = jnp.sum(jnp.where(ranks < rank, recv, 0))
-    kept = take_rows(arrays, keep_start + rows - from_lower)
-    moved = take_rows(moved, jnp.where(rows < from_lower, rows, rows - keep))
+    rows = jnp.arange(cap, dtype=jnp.int32)
     mine = (rows >= from_lower) & (rows < from_lower + keep)
-    out = [jnp.where(mine.reshape((-1,) + (1,) * (a.ndim - 1)), k, m) for a, k, m in zip(arrays, kept, moved,
-                                                                                            strict=True)]
-    return out, jnp.sum(recv) + keep
+    kept = order[jnp.clip(keep_start + rows - from_lower, 0, cap - 1)]
+    init = [jnp.where(mine.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.take(a, kept, axis=0, mode="clip"),
+                      jnp.zeros((), a.dtype)) for a in arrays]
+    foreign = order[jnp.clip(jnp.where(rows < keep_start, rows, rows + keep), 0, cap - 1)]
+    others = jnp.where(ranks == rank, 0, recv)
+    recv_at = jnp.cumsum(others) - others + jnp.where(ranks > rank, keep, 0)
+    out, _ = send_rows(arrays, jnp.where(ranks == rank, 0, send), cap, perm=foreign, recv_at=recv_at, init=init)
+    return out, jnp.sum(others) + keep
 
 
 def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | None) -> Sorted:
@@ -193,22 +201,24 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
         out = with_num(map_rows(reorder, part, n), jnp.minimum(num, cap))
         return Sorted(out, num > cap, num, nonfinite, kbox)
 
-    pack = RowPack(part, n)
+    rows_of = RowLeaves(part, n)
     words = (hi, lo, scan(num, inclusive=False) + rows)
     perm, send = _group(_destinations(words, _splitters(words, num, size)), valid, size)
-    arrays, received = send_rows(take_rows(pack.arrays(), perm), send, cap)
+    arrays, received = send_rows(rows_of.arrays(), send, cap, perm=perm)
     received = jnp.sum(received)
     needed = received
     num = jnp.minimum(received, cap)
     # Keys again from the received positions (cheaper than sending them along).
-    received_pos = pack.unpack(arrays, num).pos
+    received_pos = rows_of.unpack(arrays, num).pos
     hi, lo = morton_key(received_pos, kbox, jnp.arange(cap, dtype=jnp.int32) < num)
-    arrays = take_rows(arrays, argsort_keys(hi, lo))
+    order = argsort_keys(hi, lo)
     if equalize:
-        arrays, received = _equalize(arrays, num, size, cap)
+        arrays, received = _equalize(arrays, order, num, size, cap)
         needed = jnp.maximum(needed, received)
         num = jnp.minimum(received, cap)
-    return Sorted(pack.unpack(arrays, num), needed > cap, needed, nonfinite, kbox)
+    else:
+        arrays = take_rows(arrays, order)
+    return Sorted(rows_of.unpack(arrays, num), needed > cap, needed, nonfinite, kbox)
 
 
 @overload
@@ -261,15 +271,24 @@ def zsort(part: T, *, box: Box | None = None, equalize: bool = True, capacity: i
 
 
 @functools.cache
-def _global_zsort(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., Any]:
-    """``zsort.smap(mesh=None, jit=True)``: the global zsort over ``(ndev, n, ...)`` particle arrays.
+def _global_zsort(mesh: Mesh | None = None, *, jit: bool = True, donate: bool = False) -> Callable[..., Any]:
+    """``zsort.smap(mesh=None, jit=True, donate=False)``: the global zsort over ``(ndev, n, ...)`` particle arrays.
 
     The returned function takes the same arguments as :func:`zsort` and returns the same outputs in the global view.
     It raises :class:`shardax.CapacityError` when a device would overflow (with the capacity needed) and
     ``ValueError`` for NaN or infinite positions. Called under an outer ``jax.jit`` it cannot raise: check
-    ``overflow`` yourself there. The constructor is cached per ``(mesh, jit)``: ``zsort.smap(mesh)(...)`` in a
-    loop compiles once per set of static arguments.
+    ``overflow`` yourself there. The constructor is cached per ``(mesh, jit, donate)``: ``zsort.smap(mesh)(...)``
+    in a loop compiles once per set of static arguments.
+
+    ``donate=True`` (needs ``jit=True``) hands the input particles' buffers to the sort: the sorted fields are
+    written into them when ``capacity`` is the input's (the default), which lowers the peak memory per device by
+    one copy of the particle data (see docs/particles.md). The input cannot be used afterwards, even when the call
+    raises ``CapacityError``: keep what you need to retry (e.g. the host arrays you built it from).
     """
+    if not isinstance(donate, bool) or not isinstance(jit, bool):
+        raise TypeError(f"zsort.smap: jit and donate must be bool, got jit={jit!r}, donate={donate!r}")
+    if donate and not jit:
+        raise ValueError("zsort.smap: donate=True needs jit=True (only a jitted call can reuse the input buffers)")
     cache: dict[tuple, Callable[..., Any]] = {}
 
     def call(part: Any, *, box: Box | None = None, equalize: bool = True, capacity: int | None = None,
@@ -297,7 +316,7 @@ def _global_zsort(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[...
                 return result.part, result.overflow, flags, dom
 
             fn = smap(body, in_specs=(ALL, P() if not static_box else None),
-                      out_specs=(ALL, ALL, P(), P()), mesh=mesh, jit=jit)
+                      out_specs=(ALL, ALL, P(), P()), mesh=mesh, jit=jit, donate_argnums=(0,) if donate else ())
             cache[key] = fn
         out_part, overflow, (any_overflow, needed, nonfinite), dom = fn(leaves, None if static_box else box)
         if not isinstance(any_overflow, Tracer):
