@@ -16,7 +16,7 @@ from conftest import make_mesh
 from shardax.linalg._core import solve_local
 from shardax.linalg._layout import BlockCyclic, from_cyclic, to_cyclic
 from shardax.linalg._potrf import potrf_local
-from shardax.linalg._syevd import jacobi_eigh_local
+from shardax.linalg._syevd import jacobi_eigh_local, tridiagonal_eigh_local, tridiagonal_layout
 
 
 def hpd(n: int, dtype, *, seed: int = 0, cond: float | None = None) -> np.ndarray:
@@ -216,6 +216,7 @@ def test_jaxmg_positional_call():
     (lambda a, b: sx.linalg.potrf(a, tile=True), TypeError, "tile must be a positive int"),
     (lambda a, b: sx.linalg.potri(a[None]), ValueError, "square"),
     (lambda a, b: sx.linalg.syevd(a, max_sweeps=0), ValueError, "max_sweeps"),
+    (lambda a, b: sx.linalg.syevd(a, method="qr"), ValueError, "method"),
     (lambda a, b: sx.linalg.syevd([[1.0]]), TypeError, "jax.Array or numpy array"),
 ])
 def test_errors(call, error, match):
@@ -271,4 +272,102 @@ def test_syevd_degenerate_spectrum():
     u = rhs(n, None, np.float32, seed=12)
     a = np.eye(n, dtype=np.float32) * 2 + np.outer(u, u) / n
     w, v = sx.linalg.syevd(put(a, mesh, "cols"))
+    check_eigh(a, w, v, np.float32)
+
+
+def with_spectrum(w: np.ndarray, dtype, seed: int = 0) -> np.ndarray:
+    """A random Hermitian matrix with eigenvalues ``w``."""
+    n = len(w)
+    rng = np.random.default_rng(seed)
+    m = rng.standard_normal((n, n))
+    if np.dtype(dtype).kind == "c":
+        m = m + 1j * rng.standard_normal((n, n))
+    q, _ = np.linalg.qr(m)
+    a = (q * w) @ q.conj().T
+    return ((a + a.conj().T) / 2).astype(dtype)
+
+
+def wilkinson(n: int) -> np.ndarray:
+    """Wilkinson's ``W_n^+`` (tridiagonal, unreduced): its largest eigenvalues come in pairs closer than 1e-14."""
+    half = (n - 1) // 2
+    return np.diag(np.abs(half - np.arange(n)).astype(np.float64)) + np.diag(np.ones(n - 1), 1) + np.diag(
+        np.ones(n - 1), -1)
+
+
+def near_identity(n: int) -> np.ndarray:
+    """Tridiagonal, unreduced, all eigenvalues within 4e-9 of 1: one cluster longer than the window."""
+    off = np.full(n - 1, 1e-9)
+    return np.eye(n) + np.diag(off, 1) + np.diag(off, -1)
+
+
+@pytest.mark.parametrize(("shape", "dtype", "n"), [((4,), np.float64, 45), ((2, 4), np.complex128, 61),
+                                                   ((2, 2), np.complex64, 30), ((8,), np.float32, 3)])
+def test_syevd_tridiagonal_any_n(shape, dtype, n):
+    """The default solver on sizes that do not split over the devices (padding), real and complex."""
+    mesh = make_mesh(shape)
+    rng = np.random.default_rng(n)
+    m = rng.standard_normal((n, n))
+    if np.dtype(dtype).kind == "c":
+        m = m + 1j * rng.standard_normal((n, n))
+    a = ((m + m.conj().T) / 2).astype(dtype)
+    with jax.enable_x64(True):
+        ad = put(a, mesh, "replicated")
+        w, v, status = sx.linalg.syevd(ad, return_status=True)
+        assert int(status) == 0 and w.dtype == np.finfo(dtype).dtype and v.dtype == dtype
+        check_eigh(a, w, v, dtype)
+        close(sx.linalg.syevd(ad, return_eigenvectors=False), np.linalg.eigvalsh(a), dtype, scale=10.0)
+
+
+@pytest.mark.parametrize(("shape", "kind", "dtype"), [((2, 4), "wilkinson", np.float64),
+                                                      ((4,), "repeated", np.complex128),
+                                                      ((4,), "near_identity", np.float64),
+                                                      ((2, 2), "identity", np.float32)])
+def test_syevd_clusters(shape, kind, dtype):
+    """Close and repeated eigenvalues: reorthogonalised clusters (Wilkinson pairs fall across device boundaries), a
+    cluster longer than the window (dense fallback), exact multiplicities (split into 1 x 1 blocks)."""
+    mesh = make_mesh(shape)
+    with jax.enable_x64(True):
+        a = {"wilkinson": lambda: wilkinson(63),
+             "repeated": lambda: with_spectrum(np.r_[np.ones(12), 2 * np.ones(9), np.linspace(3, 4, 29)], dtype),
+             "near_identity": lambda: near_identity(70),
+             "identity": lambda: np.eye(50)}[kind]().astype(dtype)
+        w, v, status = sx.linalg.syevd(put(a, mesh, "replicated"), return_status=True)
+        assert int(status) == 0
+        check_eigh(a, w, v, dtype)
+
+
+@pytest.mark.parametrize(("a", "fallback"), [(wilkinson(33), False), (near_identity(40), True),
+                                             (with_spectrum(np.linspace(-1, 1, 40), np.complex128), False)])
+def test_tridiagonal_paths_without_mesh(a, fallback):
+    """The local view: inverse iteration with reorthogonalisation, or the dense fallback for a long cluster."""
+    with jax.enable_x64(True):
+        layout = tridiagonal_layout(len(a), 1)
+        w, v, used = tridiagonal_eigh_local(to_cyclic(jnp.asarray(a), layout), layout, True)
+        assert bool(used) == fallback
+        padded = np.eye(layout.padded, dtype=a.dtype)  # to_cyclic pads with the identity
+        padded[: len(a), : len(a)] = a
+        order = np.argsort(np.asarray(w))
+        check_eigh(padded, np.asarray(w)[order], np.asarray(v)[:, order], a.dtype)
+
+
+@pytest.mark.parametrize("method", ["tridiagonal", "jacobi"])
+def test_syevd_non_finite(method):
+    """NaN or inf in the lower triangle: status 1 and NaN outputs; the upper triangle is never read."""
+    mesh = make_mesh((2, 2))
+    a = hpd(20, np.float32, seed=13)
+    for value in (np.nan, np.inf):
+        bad = a.copy()
+        bad[7, 3] = value
+        w, v, status = sx.linalg.syevd(put(bad, mesh, "cols"), return_status=True, method=method)
+        assert int(status) == 1 and np.isnan(np.asarray(w)).all() and np.isnan(np.asarray(v)).all()
+        w, v, status = sx.linalg.syevd(put(bad.T.copy(), mesh, "cols"), return_status=True, method=method)
+        assert int(status) == 0
+        check_eigh(a, w, v, np.float32)
+
+
+def test_syevd_jacobi_method():
+    mesh = make_mesh((2, 4))
+    a = hpd(32, np.float32, seed=14)
+    w, v, status = sx.linalg.syevd(put(a, mesh, "2d"), return_status=True, method="jacobi", max_sweeps=20)
+    assert int(status) == 0
     check_eigh(a, w, v, np.float32)

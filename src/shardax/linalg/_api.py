@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -16,7 +17,7 @@ from ._core import solve_local
 from ._layout import BlockCyclic, cyclic_spec, from_cyclic, to_cyclic, user_sharding
 from ._potrf import potrf_local
 from ._solve import inverse_local
-from ._syevd import jacobi_eigh_local
+from ._syevd import jacobi_eigh_local, tridiagonal_eigh_local, tridiagonal_layout
 
 
 def _constrain(x: jax.Array, sharding: NamedSharding | None) -> jax.Array:
@@ -173,62 +174,114 @@ def _factor_api(a: Any, tile: int, mesh: Mesh | None, return_status: bool, *, in
     return (out, info) if return_status else out
 
 
+def _prepare_hermitian(a: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The Hermitian matrix of ``a``'s lower triangle, scaled by a power of two to largest entry ~1 (exact), as
+    LAPACK's syevd does (sums of squares then neither overflow nor underflow), with non-finite input replaced by 0.
+
+    Returns:
+        ``(herm, exponent, finite)``: `herm: (N, N)`, the scale exponent and whether ``a``'s lower triangle is finite.
+    """
+    lower = jnp.tril(a, -1)
+    herm = lower + jnp.conj(lower).T + jnp.diag(jnp.real(jnp.diagonal(a)).astype(a.dtype))
+    finite = jnp.all(jnp.isfinite(herm))
+    herm = jnp.where(finite, herm, jnp.zeros_like(herm))
+    real = jnp.finfo(a.dtype).dtype
+    info = jnp.finfo(real)
+    _, exponent = jnp.frexp(jnp.max(jnp.abs(herm)))
+    exponent = jnp.clip(exponent, -(info.maxexp - 1), -info.minexp)
+    return herm * jnp.ldexp(jnp.ones((), real), -exponent).astype(a.dtype), exponent, finite
+
+
+def _pad_above_spectrum(herm: jax.Array, npad: int) -> jax.Array:
+    """``herm`` padded to ``(npad, npad)``; the padding's eigenvalues sit above the Gershgorin bound of the spectrum,
+    so they sort last and never mix with the data."""
+    n = herm.shape[0]
+    bound = jnp.max(jnp.sum(jnp.abs(herm), axis=0))
+    herm = jnp.pad(herm, ((0, npad - n), (0, npad - n)))
+    if npad > n:
+        idx = jnp.arange(n, npad, dtype=jnp.int32)
+        herm = herm.at[idx, idx].set((2 * bound + 1).astype(herm.dtype))
+    return herm
+
+
 @functools.lru_cache(maxsize=64)
-def _eigensolver(mesh: Mesh, n: int, max_sweeps: int, vectors: bool, a_sharding: NamedSharding | None):
-    block = -(-n // (2 * mesh.size))
-    npad = 2 * block * mesh.size
-    columns = PartitionSpec(None, tuple(mesh.axis_names))
-    local = smap(lambda m: jacobi_eigh_local(m, max_sweeps), in_specs=(columns,),
-                 out_specs=(PartitionSpec(tuple(mesh.axis_names)), columns, PartitionSpec(), PartitionSpec()),
-                 mesh=mesh, expand=False)
+def _eigensolver(mesh: Mesh, n: int, method: str, max_sweeps: int, vectors: bool,
+                 a_sharding: NamedSharding | None):
+    axes = tuple(mesh.axis_names)
+    columns = PartitionSpec(None, axes)
+    local: Callable[[jax.Array], tuple[jax.Array, jax.Array | None, jax.Array]]
+    if mesh.size == 1:
+        def one_device(herm):
+            w, v = jnp.linalg.eigh(herm, symmetrize_input=False)
+            return w, (v if vectors else None), jnp.ones((), bool)
+        local = one_device
+        npad = n
+    elif method == "jacobi":
+        block = -(-n // (2 * mesh.size))
+        npad = 2 * block * mesh.size
+        jacobi = smap(lambda m: jacobi_eigh_local(m, max_sweeps), in_specs=(columns,),
+                      out_specs=(PartitionSpec(axes), columns, PartitionSpec(), PartitionSpec()), mesh=mesh,
+                      expand=False)
+
+        def by_jacobi(herm):
+            w, v, _, converged = jacobi(herm)
+            return w, v, converged
+        local = by_jacobi
+    else:
+        layout = tridiagonal_layout(n, mesh.size)
+        npad = layout.padded
+        full = BlockCyclic(npad, layout.tile, layout.nproc)
+        out = (PartitionSpec(axes), columns) if vectors else PartitionSpec(axes)
+
+        def body(m):
+            w, v, _ = tridiagonal_eigh_local(m, layout, vectors)
+            return (w, v) if vectors else w
+
+        tridiagonal = smap(body, in_specs=(columns,), out_specs=out, mesh=mesh, expand=False)
+
+        def by_tridiagonal(herm):
+            result = tridiagonal(to_cyclic(herm, full))
+            w, v = result if vectors else (result, None)
+            return w, v, jnp.ones((), bool)
+        local = by_tridiagonal
 
     @jax.jit
     def run(a):
-        lower = jnp.tril(a, -1)
-        herm = lower + jnp.conj(lower).T + jnp.diag(jnp.real(jnp.diagonal(a)).astype(a.dtype))
-        # Scaled by a power of two (exact) to largest entry ~1, as LAPACK's syevd does: the convergence test sums
-        # squares, which overflow or underflow for entries beyond about 1e19 or below 1e-19 in float32.
-        real = jnp.finfo(a.dtype).dtype
-        info = jnp.finfo(real)
-        _, exponent = jnp.frexp(jnp.max(jnp.abs(herm)))
-        exponent = jnp.clip(exponent, -(info.maxexp - 1), -info.minexp)
-        herm = herm * jnp.ldexp(jnp.ones((), real), -exponent).astype(a.dtype)
-        # Padding eigenvalues sit above the Gershgorin bound of the spectrum, so they sort last and never mix.
-        bound = jnp.max(jnp.sum(jnp.abs(herm), axis=0))
-        pad = npad - n
-        herm = jnp.pad(herm, ((0, pad), (0, pad)))
-        if pad:
-            idx = jnp.arange(n, npad, dtype=jnp.int32)
-            herm = herm.at[idx, idx].set((2 * bound + 1).astype(a.dtype))
-        w, v, _, converged = local(herm)
+        herm, exponent, finite = _prepare_hermitian(a)
+        w, v, converged = local(_pad_above_spectrum(herm, npad))
+        ok = converged & finite
         order = jnp.argsort(w)[:n]
-        w = jnp.where(converged, jnp.ldexp(w[order], exponent), jnp.nan)
-        status = jnp.where(converged, 0, 1).astype(jnp.int32)
-        if not vectors:
+        w = jnp.where(ok, jnp.ldexp(w[order], exponent), jnp.nan)
+        status = jnp.where(ok, 0, 1).astype(jnp.int32)
+        if v is None:
             return w, None, status
-        v = jnp.where(converged, v[:n][:, order], jnp.nan)
+        v = jnp.where(ok, v[:n][:, order], jnp.nan)
         return w, _constrain(v, a_sharding), status
 
     return run
 
 
 def syevd(a: Any, *, mesh: Mesh | None = None, return_eigenvectors: bool = True, return_status: bool = False,
-          max_sweeps: int = 30) -> Any:
-    """Eigenvalues (ascending) and eigenvectors of a Hermitian ``a``, by distributed two-sided block Jacobi.
+          max_sweeps: int = 30, method: str = "tridiagonal") -> Any:
+    """Eigenvalues (ascending) and eigenvectors of a Hermitian ``a``, distributed.
 
-    Each device owns two column blocks; every step diagonalises each device's ``2 x 2`` block pair with a local
-    ``eigh`` and applies the rotations to rows (an all-gather of the small rotations) and columns, then column
-    blocks move one round-robin step between neighbouring devices; ``2 P - 1`` steps make a sweep, repeated until
-    the off-diagonal norm is below ``eps sqrt(N) ||A||_F``. On one device this is a single local ``eigh``. Only the
-    lower triangle of ``a`` is read.
+    Default (``method="tridiagonal"``): blocked Householder reduction to a real tridiagonal ``T`` on the block-cyclic
+    column layout (one all-reduce per column, BLAS3 trailing updates), eigenvalues of ``T`` by Sturm multisection and
+    eigenvectors by inverse iteration, both distributed by eigenvalue (reorthogonalised inside clusters of close
+    eigenvalues; a cluster longer than 32 takes a local dense ``eigh`` of ``T``), then the back-transformation by
+    compact-WY panels, distributed by eigenvector. ``method="jacobi"``: two-sided block Jacobi with a round-robin
+    tournament, swept until the off-diagonal norm is below ``eps sqrt(N) ||A||_F``. On one device either is a single
+    local ``eigh``. Only the lower triangle of ``a`` is read.
 
     Args:
         a: `(N, N)` Hermitian, sharded by rows, columns or both over any mesh.
         mesh: as in :func:`potrs`.
         return_eigenvectors: also return the eigenvectors.
-        return_status: also return the status: 0, or 1 when Jacobi did not converge in ``max_sweeps`` sweeps
-            (outputs are then NaN), as LAPACK's ``info > 0``.
-        max_sweeps: the most Jacobi sweeps.
+        return_status: also return the status: 0, or 1 (outputs then NaN) when the lower triangle of ``a`` has a
+            non-finite entry or, with ``method="jacobi"``, Jacobi did not converge in ``max_sweeps`` sweeps (as
+            LAPACK's ``info > 0``).
+        max_sweeps: the most Jacobi sweeps (``method="jacobi"`` only; validated and ignored otherwise).
+        method: ``"tridiagonal"`` (default) or ``"jacobi"``.
 
     Returns:
         `w: (N,)` ascending, replicated; then `v: (N, N)` (columns are eigenvectors, ``a``'s sharding) if asked;
@@ -247,7 +300,10 @@ def syevd(a: Any, *, mesh: Mesh | None = None, return_eigenvectors: bool = True,
     check_matrix(a)
     the_mesh = resolve_mesh(mesh, a)
     a_sharding = user_sharding(a, the_mesh)
-    w, v, status = _eigensolver(the_mesh, a.shape[0], max_sweeps, return_eigenvectors, a_sharding)(a)
+    if method not in ("tridiagonal", "jacobi"):
+        raise ValueError(f"method must be 'tridiagonal' or 'jacobi', got {method!r}")
+    sweeps = max_sweeps if method == "jacobi" else 0  # one compiled program whatever the ignored value
+    w, v, status = _eigensolver(the_mesh, a.shape[0], method, sweeps, return_eigenvectors, a_sharding)(a)
     v = _reshard(v, a_sharding)
     out: tuple = (w,) + ((v,) if return_eigenvectors else ()) + ((status,) if return_status else ())
     return out[0] if len(out) == 1 else out
