@@ -14,6 +14,7 @@ import shardax as sx
 from conftest import make_mesh
 from shardax.particles import Particles
 from shardax.spatial._fof import fof
+from shardax.spatial._fof_local import Tuning
 from test_fof_multiprocess import (
     MIN_MEMBERS,
     compare_catalogues,
@@ -116,6 +117,37 @@ def test_degenerate_giant_and_empty() -> None:
             compare_catalogues(got, reference_catalogue(data["pos"], want, None, None, None))
     assert (reference_labels(giant["pos"], 0.2, None, 20) == 0).all()
     assert (reference_labels(lonely["pos"], 0.005, None, 2) == -1).all()
+
+
+@pytest.mark.parametrize("case", ["two_cells", "three_cells", "clump_capped_grid", "open_2d_clump", "periodic_2d"])
+def test_search_corner_cases(case: str) -> None:
+    """Small steps of the pair search against the reference: periodic axes of 2 and 3 cells (wrapped runs), a
+    point with more candidates than one step, a grid capped by its cell table, more edges than one hooking chunk."""
+    rng = np.random.default_rng(13 if case in ("two_cells", "three_cells") else 11)
+    tiny = Tuning(slots=64, edge_chunk=16)
+    box: float | None = 1.0
+    if case in ("two_cells", "three_cells"):
+        # Few points, cells as wide as the linking length: 2 or 3 cells per axis.
+        pos = rng.random((12, 3) if case == "two_cells" else (25, 3))
+        ll, tuning = (0.4 if case == "two_cells" else 0.3), tiny
+    elif case == "clump_capped_grid":
+        pos = np.concatenate([0.5 + 1e-4 * rng.standard_normal((150, 3)), rng.random((300, 3))])
+        ll, tuning = 0.05, tiny._replace(table=0.02)
+    elif case == "open_2d_clump":
+        pos = np.concatenate([0.2 + 1e-3 * rng.standard_normal((120, 2)), rng.random((400, 2))])
+        ll, tuning, box = 0.03, tiny, None
+    else:
+        pos = rng.random((500, 2))
+        ll, tuning = 0.04, tiny
+    pos = pos[rng.permutation(len(pos))].astype(np.float32)
+    data = {"pos": pos, "vel": None, "mass": None, "linking_length": ll, "box": box}
+    want = reference_labels(pos, ll, box, 2)
+    labels, got = _local(data, min_members=2, tuning=tuning, edge_capacity=40000)
+    np.testing.assert_array_equal(labels, want)
+    compare_catalogues(got, reference_catalogue(pos, want, None, None, None if box is None else box))
+    groups = np.bincount(want[want >= 0])
+    assert (groups >= 100).any() == (case in ("clump_capped_grid", "open_2d_clump"))
+    assert (groups >= 2).sum() >= 2 or (want == -1).any()
 
 
 def test_all_duplicates() -> None:

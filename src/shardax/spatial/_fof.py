@@ -212,10 +212,13 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
     big = total_rows
     link_domain = open_domain(pos_all, valid_all) if boxv is None else periodic_domain(boxv)
     count_all = jnp.sum(valid_all, dtype=jnp.int32)
-    grid = link_grid(link_domain, count_all, ll, tuning.per_cell, volume)
-    points = sort_points(pos_all, valid_all, link_domain, grid)
+    table_cells = int(tuning.table * total_rows) + 64
+    grid = link_grid(link_domain, count_all, ll, tuning.per_cell, table_cells, volume)
+    # Several devices: the grid spans the whole box at the density of this device's piece, a point or two per
+    # cell, where the comparison sort is faster than dealing ranks.
+    points = sort_points(pos_all, valid_all, link_domain, grid, table_cells, tuning.rank_rounds if size == 1 else 0)
     links = find_links(points, count_all, ll, link_domain, grid, edge_capacity=edge_cap, tuning=tuning)
-    root = components(links, big)
+    root = components(links, big, tuning.edge_chunk)
     component = jnp.zeros((big,), jnp.int32).at[points.rows].set(points.rows[root])
     labels = segment_min_labels(jnp.where(valid_all, ids_all, INT_MAX), component)
 

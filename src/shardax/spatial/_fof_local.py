@@ -1,17 +1,21 @@
 """Local friends-of-friends linking: every pair closer than the linking length, then connected components.
 
-Pairs. Points are sorted by the row-major key of a cell grid whose cells are at least the linking length wide, so a
-point's friends lie in the ``3**d`` cells around its own. Sorted points are cut into blocks of at most ``block``
-consecutive points of one grid row. A block's candidates are the cells ``[x0 - 1, x1 + 1]`` of its own row and of
-the "forward" half of the neighbouring rows (the other half finds the same pairs from the other side): contiguous
-runs of the sorted points, packed into chunks of ``capacity`` slots. Every (block, chunk) work item gives one dense
-`(block, capacity)` distance tile; its pairs within the linking length are compacted with a cumulative sum and a
-binary search (no scatter over the whole tile) and appended to a fixed-size edge list. Dense regions simply give more
-chunks, so every pair is found whatever the clustering; only the edge list has a capacity.
+Sort. Points are ordered by the row-major key of a cell grid whose cells are at least the linking length wide (so a
+point's friends lie in the ``3**d`` cells around its own) and small: about ``per_cell = 0.25`` points per cell, at
+most ``table`` cells per point row. A table of the first sorted row of every cell comes from a count per cell and a
+cumulative sum; the points are placed by a counting sort (:func:`sort_points`).
 
-Components. Hook-and-compress label propagation over the edge list (the FastSV scheme): every edge lowers the
-parent of its larger label to its smaller label by a scatter-min, then pointer jumping flattens the trees, until
-both ends of every edge share a label. Labels converge to the smallest sorted row of each component.
+Pairs. Each point's candidates are a few runs of the sorted points, read from the table: the rest of its own cell
+and the next cell of its own row, and the cells ``x - 1 .. x + 1`` of the "forward" half of the neighbouring rows
+(the other half finds the same pairs from the other side); a periodic row adds the cell across the box. Candidates
+of all points are numbered one after another, and each step of a loop tests a fixed number of consecutive candidate
+numbers (no per-block tiles, no padding), appending pairs within the linking length to a fixed-size edge list.
+Dense regions simply take more steps, so every pair is found whatever the clustering; only the edge list has a
+capacity.
+
+Components. Hook-and-compress over the live edges only (the FastSV scheme): every edge lowers the parent of its
+larger label to its smaller label by a scatter-min, then pointer jumping flattens the trees, until both ends of
+every edge share a label. Labels converge to the smallest sorted row of each component.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._grid import SENTINEL_KEY, Domain, Grid
+from ._grid import Domain, Grid
 
 # Cell keys are int32: the product of the cell counts must stay below 2**31.
 _MAX_CELLS = {2: 2**15 - 1, 3: 2**10 - 1}
@@ -42,11 +46,11 @@ def vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
 class Tuning(NamedTuple):
     """Static sizes of the pair search (changing them recompiles)."""
 
-    per_cell: float = 2.0  # points per cell when the linking length allows cells that large
-    block: int = 8  # points per block
-    capacity: int = 64  # candidate slots per chunk
-    batch: int = 1024  # work items per dense tile
-    tile_edges: int = 512  # pairs compacted per step (a tile with more takes several steps)
+    per_cell: float = 0.25  # points per cell when the linking length allows cells that small
+    table: float = 4.0  # cells of the cell-start table per point row (bounds the cell count)
+    slots: int = 65536  # candidate pairs tested per step
+    edge_chunk: int = 65536  # edges hooked per step of the component search
+    rank_rounds: int = 16  # counting sort: most points per cell before falling back to a comparison sort
 
 
 DEFAULT_TUNING = Tuning()
@@ -61,27 +65,43 @@ class Links(NamedTuple):
 
 
 class SortedPoints(NamedTuple):
-    """Valid points sorted by cell key (padding last): keys `(n,)`, original rows `(n,)`, positions `(n, d)`."""
+    """Valid points sorted by cell key (padding last): keys `(n,)` (``table_cells`` for padding), original rows
+    `(n,)`, positions `(n, d)`, cell coordinates `(n, d)`, and ``starts (table_cells + 1,)``: the first sorted row
+    of each cell key (the number of valid points for keys past the last point)."""
 
     keys: jax.Array
     rows: jax.Array
     pos: jax.Array
     coords: jax.Array
+    starts: jax.Array
 
 
-def link_grid(domain: Domain, num: jax.Array, linking_length: jax.Array, per_cell: float,
+def link_grid(domain: Domain, num: jax.Array, linking_length: jax.Array, per_cell: float, max_cells: int,
               volume: jax.Array | None = None) -> Grid:
-    """A grid of about ``per_cell`` points per cell whose cells are never narrower than the linking length.
+    """A grid of about ``per_cell`` points per cell, cells never narrower than the linking length, at most
+    ``max_cells`` cells (static: the size of the cell-start table of :func:`find_links`).
 
     ``volume`` is the volume the ``num`` points occupy (default: the whole domain); a device holding a small piece
     of a periodic box sizes its cells by its own piece while the grid still spans the box.
     """
     dim = domain.extent.shape[0]
     ext = jnp.maximum(domain.extent, jnp.max(domain.extent) * 1e-6).astype(jnp.float32)
-    volume = jnp.prod(ext) if volume is None else jnp.clip(volume.astype(jnp.float32), 1e-30, jnp.prod(ext))
+    whole = jnp.prod(ext)
+    volume = whole if volume is None else jnp.clip(volume.astype(jnp.float32), 1e-30, whole)
     side = (volume * per_cell / jnp.maximum(num, 1).astype(jnp.float32)) ** (1.0 / dim)
+    side = jnp.maximum(side, (whole / max_cells) ** (1.0 / dim))
     side = jnp.maximum(side, linking_length.astype(jnp.float32))
     cells = jnp.clip(jnp.floor(ext / side), 1, _MAX_CELLS[dim]).astype(jnp.int32)
+
+    # Rounding may leave a few cells too many: shrink the longest axis until the table holds them all.
+    def too_many(c: jax.Array) -> jax.Array:
+        return jnp.prod(c) > max_cells
+
+    def shrink(c: jax.Array) -> jax.Array:
+        longest = jnp.argmax(c)
+        return c.at[longest].set(jnp.maximum(c[longest] - 1, 1))
+
+    cells = lax.while_loop(too_many, shrink, cells)
     stride = jnp.concatenate([jnp.ones((1,), jnp.int32), jnp.cumprod(cells)[:-1]])
     return Grid(cells, domain.extent / cells.astype(domain.extent.dtype), stride)
 
@@ -97,12 +117,75 @@ def cell_keys(coords: jax.Array, grid: Grid) -> jax.Array:
     return jnp.sum(coords * grid.stride[None, :], axis=-1)
 
 
-def sort_points(pos: jax.Array, valid: jax.Array, domain: Domain, grid: Grid) -> SortedPoints:
-    """Valid rows of ``pos`` sorted by cell key (stable: equal keys keep row order)."""
+def _cumsum(x: jax.Array, width: int = 128) -> jax.Array:
+    """Inclusive cumulative sum of a long 1-D array, by rows of ``width`` (faster than one flat scan on CPU)."""
+    n = x.shape[0]
+    rows = -(-n // width)
+    y = jnp.pad(x, (0, rows * width - n)).reshape(rows, width)
+    within = jnp.cumsum(y, axis=1)
+    before = jnp.cumsum(within[:, -1]) - within[:, -1]
+    return (within + before[:, None]).reshape(-1)[:n]
+
+
+def sort_points(pos: jax.Array, valid: jax.Array, domain: Domain, grid: Grid, table_cells: int,
+                rounds: int = DEFAULT_TUNING.rank_rounds) -> SortedPoints:
+    """Valid rows of ``pos`` sorted by cell key (order within a cell unspecified), on a grid of at most
+    ``table_cells`` cells.
+
+    A counting sort: a point goes to the first row of its cell plus its rank within the cell. Ranks are dealt out
+    in rounds (each round, the largest row still waiting in each cell takes the next rank), a round per point of
+    the fullest cell. With more than ``rounds`` points in a cell, or more than a quarter of the points sharing
+    cells, a comparison sort takes over; ``rounds = 0`` always sorts by comparison. (XLA's CPU sort of keys with a
+    payload is several times slower than these rounds for the fraction of a point per cell of a link grid.)
+    """
+    n = pos.shape[0]
+    idx = jnp.arange(n, dtype=jnp.int32)
     coords = cell_coords(pos, domain, grid)
-    keys = jnp.where(valid, cell_keys(coords, grid), SENTINEL_KEY)
-    keys, rows = lax.sort((keys, jnp.arange(pos.shape[0], dtype=jnp.int32)), num_keys=1, is_stable=True)
-    return SortedPoints(keys, rows, pos[rows], coords[rows])
+    keys = jnp.where(valid, cell_keys(coords, grid), table_cells)
+    counts = jnp.zeros((table_cells + 1,), jnp.int32).at[keys].add(1)
+    starts = _cumsum(counts) - counts  # exclusive: starts[table_cells] = number of valid points
+
+    def comparison() -> jax.Array:
+        return lax.sort((keys, idx), num_keys=1)[1]
+
+    if rounds < 1:
+        rows = comparison()
+        return SortedPoints(keys[rows], rows, pos[rows], coords[rows], starts)
+
+    # Round 0 over all points; most points are alone in their cell (or the largest row of it), so the later
+    # rounds deal with a compacted remainder of at most `spare` points. Tickets of round r exceed every ticket of
+    # earlier rounds, so the table of winners is never cleared.
+    top = jnp.full((table_cells + 1,), -1, jnp.int32).at[keys].max(idx)
+    remaining = valid & (top[keys] != idx)
+    spare = min(n, n // 4 + 1024)
+    (sub,) = jnp.nonzero(remaining, size=spare, fill_value=n)
+    sub = sub.astype(jnp.int32)
+    sub_keys = jnp.where(sub < n, keys[jnp.minimum(sub, n - 1)], table_cells)
+    rounds = min(rounds, (2**31 - 1) // max(n, 1) - 1)
+
+    def waiting(state: tuple[jax.Array, ...]) -> jax.Array:
+        r, _, left, _ = state
+        return (r < rounds) & jnp.any(left)
+
+    def deal(state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        r, rank, left, top = state
+        ticket = r * n + sub
+        top = top.at[jnp.where(left, sub_keys, table_cells + 1)].max(ticket, mode="drop")
+        won = left & (top[sub_keys] == ticket)
+        return r + 1, jnp.where(won, r, rank), left & ~won, top
+
+    init = (jnp.int32(1), vary_like(jnp.zeros((spare,), jnp.int32), pos), sub < n, top)
+    _, sub_rank, left, _ = lax.while_loop(waiting, deal, init)
+    rank = jnp.zeros((n,), jnp.int32).at[sub].set(sub_rank, mode="drop")
+    fallback = (jnp.sum(remaining, dtype=jnp.int32) > spare) | jnp.any(left)
+
+    def counting() -> jax.Array:
+        # Padding rows (key table_cells) take the rows after the valid ones, in row order.
+        at = jnp.where(valid, starts[keys] + rank, starts[table_cells] + idx - jnp.cumsum(valid))
+        return jnp.zeros((n,), jnp.int32).at[at].set(idx)
+
+    rows = lax.cond(fallback, comparison, counting)
+    return SortedPoints(keys[rows], rows, pos[rows], coords[rows], starts)
 
 
 def dist2(a: jax.Array, b: jax.Array, domain: Domain) -> jax.Array:
@@ -125,47 +208,61 @@ def _forward_rows(dim: int) -> list[tuple[int, ...]]:
     return [tuple(0 for _ in range(dim - 1)), *forward]
 
 
-def _candidate_runs(keys: jax.Array, first: jax.Array, x0: jax.Array, x1: jax.Array, grid: Grid,
-                    periodic: bool) -> tuple[jax.Array, jax.Array]:
-    """Start and length `(B, R)` in the sorted points of every run of candidate cells of each block."""
-    dim = first.shape[1]
+def _runs(points: SortedPoints, num: jax.Array, starts: jax.Array, grid: Grid,
+          periodic: bool) -> tuple[jax.Array, jax.Array]:
+    """Start and length `(n, R)` of every run of forward candidates of each sorted point.
+
+    Own row: the points after this one in its own cell and the next cell (and, periodic, cell 0 after the last
+    cell). Forward rows (half of the neighbouring rows): cells ``x - 1 .. x + 1`` of the row (periodic: the cell
+    on the other side of the box as a second run). Every pair closer than a cell width is in exactly one point's
+    runs, except on axes of two cells, where the two neighbours coincide (a pair found twice does not matter).
+    """
+    n, dim = points.coords.shape
+    idx = jnp.arange(n, dtype=jnp.int32)
+    cx = points.coords[:, 0]
     gx = grid.cells[0]
-    a, b = x0 - 1, x1 + 1
-    if periodic:
-        full = b - a + 1 >= gx
-        lo_part = jnp.where(full, 0, jnp.where(a < 0, a + gx, a))
-        hi_part = jnp.where(full, gx - 1, jnp.where(a < 0, gx - 1, jnp.minimum(b, gx - 1)))
-        wrap_hi = jnp.where(full, -1, jnp.where(a < 0, b, jnp.where(b >= gx, b - gx, -1)))
-        x_parts = [(lo_part, hi_part), (jnp.zeros_like(wrap_hi), wrap_hi)]
-    else:
-        x_parts = [(jnp.maximum(a, 0), jnp.minimum(b, gx - 1))]
-    lo_keys, hi_keys, valid = [], [], []
-    for offset in _forward_rows(dim):
-        base = jnp.zeros_like(x0)
-        ok = jnp.ones_like(x0, dtype=bool)
+    live = idx < num
+    wrap_ok = periodic & (gx >= 3)
+    run_start, run_len = [], []
+
+    def add(lo: jax.Array, hi: jax.Array, ok: jax.Array) -> None:
+        run_start.append(lo)
+        run_len.append(jnp.where(ok & live, jnp.maximum(hi - lo, 0), 0))
+
+    for r, offset in enumerate(_forward_rows(dim)):
+        base = jnp.zeros_like(cx)
+        ok = jnp.ones_like(cx, dtype=bool)
         for axis, off in enumerate(offset, start=1):
             g = grid.cells[axis]
-            c = first[:, axis] + off
+            c = points.coords[:, axis] + off
             if periodic:
-                # On an axis of one cell every offset is the row itself, which offset 0 already covers. (On two
-                # cells -1 and +1 coincide: a pair may be found twice, which linking does not mind.)
+                # On an axis of one cell every offset is the row itself, which offset 0 already covers.
                 ok = ok & ((g >= 2) | (off == 0))
                 c = jnp.mod(c, g)
             else:
                 ok = ok & (c >= 0) & (c < g)
             base = base + c * grid.stride[axis]
-        for xa, xb in x_parts:
-            lo_keys.append(base + xa)
-            hi_keys.append(base + xb + 1)
-            valid.append(ok & (xb >= xa))
-    bounds = jnp.stack([jnp.stack(lo_keys, axis=1), jnp.stack(hi_keys, axis=1)])
-    found = jnp.searchsorted(keys, bounds, side="left").astype(jnp.int32)
-    return found[0], jnp.where(jnp.stack(valid, axis=1), found[1] - found[0], 0)
+        hi = starts[base + jnp.minimum(cx + 1, gx - 1) + 1]
+        if r == 0:
+            add(idx + 1, hi, ok)
+            wrap = base
+            add(starts[wrap], starts[wrap + 1], ok & wrap_ok & (cx == gx - 1))
+        else:
+            add(starts[base + jnp.maximum(cx - 1, 0)], hi, ok)
+            if periodic:
+                wrap = base + jnp.where(cx == 0, gx - 1, 0)
+                add(starts[wrap], starts[wrap + 1], ok & wrap_ok & ((cx == 0) | (cx == gx - 1)))
+    return jnp.stack(run_start, axis=1), jnp.stack(run_len, axis=1)
 
 
 def find_links(points: SortedPoints, num: jax.Array, linking_length: jax.Array, domain: Domain, grid: Grid, *,
                edge_capacity: int, tuning: Tuning = DEFAULT_TUNING) -> Links:
     """All pairs of the first ``num`` sorted points closer than (or at) the linking length, each pair at least once.
+
+    Every point's forward candidates (:func:`_runs`) are numbered one after another over all points; a step tests
+    ``tuning.slots`` consecutive candidate numbers (slot -> point by a scatter and a cumulative sum over a window of
+    points, point -> run by comparing with the point's cumulative run lengths) and appends its pairs to the edge
+    list. Work is proportional to the number of candidates whatever the clustering.
 
     Args:
         points: points sorted on ``grid`` (:func:`sort_points`).
@@ -180,103 +277,88 @@ def find_links(points: SortedPoints, num: jax.Array, linking_length: jax.Array, 
         :class:`Links` in sorted-row numbering; ``num_edges > edge_capacity`` means pairs were lost.
     """
     n = points.pos.shape[0]
-    block, capacity, batch = tuning.block, tuning.capacity, tuning.batch
+    slots = tuning.slots
     ll2 = (linking_length * linking_length).astype(points.pos.dtype)
-    idx = jnp.arange(n, dtype=jnp.int32)
+    run_start, run_len = _runs(points, num, points.starts, grid, domain.periodic)
+    run_end = jnp.cumsum(run_len, axis=1)  # (n, R) candidate numbers within the point, end of each run
+    total = run_end[:, -1]
+    point_end = jnp.cumsum(total)  # (n,) inclusive
+    point_begin = point_end - total
+    # Candidate numbers are int32: with 2**31 candidates or more (a clump of ~65000 points within a few cells),
+    # search nothing and report an edge count no capacity can hold.
+    too_many = jnp.sum(total.astype(jnp.float32)) >= 2.0**31 * 0.999
+    num_slots = jnp.where(too_many, 0, point_end[-1])
+    # j = shift[point, run] + candidate number within the point
+    lookup = jnp.concatenate([run_end, run_start - (run_end - run_len)], axis=1)
+    num_runs = run_len.shape[1]
+    window = jnp.arange(slots, dtype=jnp.int32)
+    begin_pad = jnp.concatenate([point_begin, jnp.full((slots + 1,), num_slots, point_begin.dtype)])
 
-    # Row-aligned blocks: a block starts at a new row or every `block` points into a row.
-    row = points.keys // grid.cells[0]
-    new_row = jnp.concatenate([jnp.ones((1,), bool), row[1:] != row[:-1]])
-    row_start = lax.cummax(jnp.where(new_row, idx, 0))
-    starts_flag = ((idx - row_start) % block == 0) & (idx < num)
-    num_blocks = jnp.sum(starts_flag, dtype=jnp.int32)
-    (block_start,) = jnp.nonzero(starts_flag, size=n, fill_value=num)
-    block_start = block_start.astype(jnp.int32)
-    block_end = jnp.concatenate([block_start[1:], jnp.reshape(num, (1,)).astype(jnp.int32)])
-    block_end = jnp.where(idx < num_blocks, block_end, block_start)
-    first = points.coords[jnp.minimum(block_start, n - 1)]
-    x1 = points.coords[jnp.clip(block_end - 1, 0, n - 1), 0]
-    run_start, run_len = _candidate_runs(points.keys, first, first[:, 0], x1, grid, domain.periodic)
-    total = jnp.where(idx < num_blocks, jnp.sum(run_len, axis=1), 0)
+    def cond(state: tuple[jax.Array, ...]) -> jax.Array:
+        return state[0] < num_slots
 
-    # Work items: chunk c of block b covers candidate slots [c * capacity, (c + 1) * capacity).
-    chunks = jnp.where(idx < num_blocks, jnp.maximum(1, -(-total // capacity)), 0)
-    chunk_end = jnp.cumsum(chunks)
-    num_items = chunk_end[-1]
-    slot = jnp.arange(capacity, dtype=jnp.int32)
-    run_cum = jnp.cumsum(run_len, axis=1)
-    step_edges = tuning.tile_edges
+    def step(state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        slot0, first_out, second_out, count = state
+        # This step covers the candidates of points p0 .. p0 + slots - 1 from slot0 on (at most `slots` of them).
+        p0 = jnp.searchsorted(point_end, slot0, side="right").astype(jnp.int32)
+        mine = lax.dynamic_slice(begin_pad, (p0,), (slots + 1,))
+        stop = jnp.minimum(slot0 + slots, mine[-1])
+        marks = jnp.zeros((slots,), jnp.int32).at[jnp.maximum(mine[:-1] - slot0, 0)].add(1, mode="drop")
+        qi = jnp.minimum(p0 + jnp.cumsum(marks) - 1, n - 1)
+        s = slot0 + window
+        live = s < stop
+        k = s - point_begin[qi]
+        row = lookup[qi]
+        which = jnp.minimum(jnp.sum(k[:, None] >= row[:, :num_runs], axis=1, dtype=jnp.int32), num_runs - 1)
+        cj = jnp.take_along_axis(row[:, num_runs:], which[:, None], axis=1)[:, 0] + k
+        cj = jnp.where(live, cj, 0)
+        d2 = dist2(points.pos[qi][:, None, :], points.pos[cj][:, None, :], domain)[:, 0, 0]
+        hit = live & (d2 <= ll2)
+        at = jnp.where(hit, count + jnp.cumsum(hit.astype(jnp.int32)) - 1, edge_capacity)
+        first_out = first_out.at[at].set(qi, mode="drop")
+        second_out = second_out.at[at].set(cj, mode="drop")
+        return stop, first_out, second_out, count + jnp.sum(hit, dtype=jnp.int32)
 
-    def tile(t: jax.Array, state: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
-        first_out, second_out, count = state
-        item = t * batch + jnp.arange(batch, dtype=jnp.int32)
-        blk = jnp.minimum(jnp.searchsorted(chunk_end, item, side="right").astype(jnp.int32), n - 1)
-        chunk = item - (chunk_end[blk] - chunks[blk])
-        live = item < num_items
-        qi = block_start[blk][:, None] + jnp.arange(block, dtype=jnp.int32)[None, :]
-        qvalid = live[:, None] & (qi < block_end[blk][:, None])
-        qi = jnp.minimum(qi, n - 1)
-        s = chunk[:, None] * capacity + slot[None, :]
-        cum = run_cum[blk]
-        which = jnp.minimum(jnp.sum(s[:, :, None] >= cum[:, None, :], axis=-1, dtype=jnp.int32), cum.shape[1] - 1)
-        before = jnp.take_along_axis(cum - run_len[blk], which, axis=1)
-        cj = jnp.take_along_axis(run_start[blk], which, axis=1) + s - before
-        cvalid = s < total[blk][:, None]
-        cj = jnp.where(cvalid, cj, 0)
-        d2 = dist2(points.pos[qi], points.pos[cj], domain)
-        # Own-row pairs are seen from both ends: keep them once (i < j); other rows are searched from one side.
-        own_row = which < (2 if domain.periodic else 1)
-        keep = jnp.where(own_row[:, None, :], qi[:, :, None] < cj[:, None, :], qi[:, :, None] != cj[:, None, :])
-        hit = qvalid[:, :, None] & cvalid[:, None, :] & keep & (d2 <= ll2)
-        # Two-level compaction: the k-th pair is found by a binary search over per-query counts, then a count
-        # within that query's row of the tile.
-        hit = hit.reshape(-1, capacity)
-        row_hits = jnp.cumsum(hit.astype(jnp.int32), axis=1)
-        row_total = jnp.cumsum(row_hits[:, -1])
-        found = row_total[-1]
-        qflat = qi.reshape(-1)
-
-        def compact(step: jax.Array, out: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-            rank = step * step_edges + jnp.arange(step_edges, dtype=jnp.int32)
-            q = jnp.searchsorted(row_total, rank + 1, side="left", method="scan_unrolled").astype(jnp.int32)
-            q = jnp.minimum(q, row_total.shape[0] - 1)
-            within = rank - (row_total[q] - row_hits[q, -1])
-            col = jnp.minimum(jnp.sum(row_hits[q] <= within[:, None], axis=1, dtype=jnp.int32), capacity - 1)
-            take = rank < found
-            at = jnp.minimum(count + step * step_edges, edge_capacity)
-            return (lax.dynamic_update_slice(out[0], jnp.where(take, qflat[q], -1), (at,)),
-                    lax.dynamic_update_slice(out[1], jnp.where(take, cj[q // block, col], -1), (at,)))
-
-        steps = (found + step_edges - 1) // step_edges
-        first_out, second_out = lax.fori_loop(0, steps, compact, (first_out, second_out))
-        return first_out, second_out, count + found
-
-    pad = edge_capacity + step_edges
-    init = tuple(vary_like(x, points.pos) for x in (jnp.full((pad,), -1, jnp.int32), jnp.full((pad,), -1, jnp.int32),
-                                                     jnp.int32(0)))
-    num_tiles = (num_items + batch - 1) // batch
-    first_out, second_out, count = lax.fori_loop(0, num_tiles, tile, init)
-    live = jnp.arange(edge_capacity, dtype=jnp.int32) < count
-    return Links(jnp.where(live, first_out[:edge_capacity], -1), jnp.where(live, second_out[:edge_capacity], -1),
-                 count)
+    init = tuple(vary_like(x, points.pos) for x in (jnp.int32(0), jnp.full((edge_capacity,), -1, jnp.int32),
+                                                     jnp.full((edge_capacity,), -1, jnp.int32), jnp.int32(0)))
+    _, first_out, second_out, count = lax.while_loop(cond, step, init)
+    return Links(first_out, second_out, jnp.where(too_many, jnp.iinfo(jnp.int32).max, count))
 
 
-def components(links: Links, n: int) -> jax.Array:
-    """Smallest node of each node's connected component, `(n,)` int32 (nodes are ``0..n-1``)."""
-    valid = links.first >= 0
-    a = jnp.where(valid, links.first, 0)
-    b = jnp.where(valid, links.second, 0)
+def components(links: Links, n: int, chunk: int = DEFAULT_TUNING.edge_chunk) -> jax.Array:
+    """Smallest node of each node's connected component, `(n,)` int32 (nodes are ``0..n-1``).
+
+    Hook and compress: a pass over the live edges, ``chunk`` at a time, lowers the parent of the larger of each edge's
+    two parents to the smaller (a scatter-min), then pointer jumping flattens the trees; passes repeat until a pass
+    finds both ends of every edge under one root. Parents only ever decrease and stay in their component, so the
+    root of each component is its smallest node.
+    """
+    capacity = links.first.shape[0]
+    chunk = max(1, min(chunk, capacity))
+    count = jnp.minimum(links.num_edges, capacity)
+    num_chunks = (count + chunk - 1) // chunk
+    offsets = jnp.arange(chunk, dtype=jnp.int32)
 
     def compress(parent: jax.Array) -> jax.Array:
         return lax.while_loop(lambda p: jnp.any(p[p] != p), lambda p: p[p], parent)
 
-    def unsettled(parent: jax.Array) -> jax.Array:
-        return jnp.any(parent[a] != parent[b])
-
-    def hook(parent: jax.Array) -> jax.Array:
+    def hook(c: jax.Array, state: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        parent, changed = state
+        at = jnp.minimum(c * chunk, capacity - chunk)
+        a = lax.dynamic_slice(links.first, (at,), (chunk,))
+        b = lax.dynamic_slice(links.second, (at,), (chunk,))
+        live = at + offsets < count
+        a, b = jnp.where(live, a, 0), jnp.where(live, b, 0)
         pa, pb = parent[a], parent[b]
-        lo, hi = jnp.minimum(pa, pb), jnp.maximum(pa, pb)
-        parent = parent.at[hi].min(lo)
-        return compress(parent)
+        differ = pa != pb
+        parent = parent.at[jnp.where(differ, jnp.maximum(pa, pb), n)].min(jnp.minimum(pa, pb), mode="drop")
+        return parent, changed | jnp.any(differ)
 
-    return lax.while_loop(unsettled, hook, vary_like(jnp.arange(n, dtype=jnp.int32), links.first))
+    def sweep(state: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        parent, _ = state
+        parent, changed = lax.fori_loop(0, num_chunks, hook, (parent, vary_like(jnp.zeros((), bool), parent)))
+        return compress(parent), changed
+
+    parent = vary_like(jnp.arange(n, dtype=jnp.int32), links.first)
+    parent, _ = lax.while_loop(lambda s: s[1], sweep, (parent, vary_like(jnp.ones((), bool), parent)))
+    return parent
