@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..core._rank import AxisSpec, axes_size, resolve_axes
+from ..core._vary import vary_over, varying
 
 Impl = Literal["auto", "chunked", "ragged"]
 
@@ -52,17 +53,6 @@ def _use_ragged(impl: Impl) -> bool:
     return impl == "auto" and backend in ("gpu", "cuda", "rocm")
 
 
-def _varying(x: jax.Array) -> frozenset[str]:
-    axis_type = getattr(jax.typeof(x), "manual_axis_type", None)
-    return frozenset(getattr(axis_type, "varying", ()))
-
-
-def _vary_over(x: jax.Array, axes: frozenset[str]) -> jax.Array:
-    """``x`` marked as varying over ``axes`` (loop carries must keep their manual-axis type)."""
-    missing = tuple(sorted(axes - _varying(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
 def default_chunk(capacity: int, size: int) -> int:
     """Rows per rank pair and round of the chunked path: an eighth of the balanced share plus 25%.
 
@@ -93,9 +83,9 @@ def _chunked(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: j
     if init is None:
         init = [jnp.zeros((capacity, *a.shape[1:]), a.dtype) for a in arrays]
     # The carry's manual-axis type is that of the round's result: everything it is computed from, plus the exchange.
-    vary = frozenset(axes).union(*(_varying(x) for x in (*arrays, send_counts, recv_counts, recv_offsets)),
-                                 *(() if perm is None else (_varying(perm),)))
-    outs = [_vary_over(jnp.asarray(o), vary) for o in init]
+    vary = frozenset(axes).union(*(varying(x) for x in (*arrays, send_counts, recv_counts, recv_offsets)),
+                                 *(() if perm is None else (varying(perm),)))
+    outs = vary_over([jnp.asarray(o) for o in init], vary)
 
     # Arrays of 4- and 8-byte elements travel together: each round packs their rows into the columns of one uint32
     # block (one all_to_all per round, and no packed copy of the whole arrays); other widths travel alone.

@@ -4,18 +4,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-
-def _varying(x: jax.Array) -> frozenset[str]:
-    axis_type = getattr(jax.typeof(x), "manual_axis_type", None)
-    return frozenset(getattr(axis_type, "varying", ()))
-
-
-def vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
-    """``x`` marked as varying over every manual axis that ``like`` varies over (a no-op outside ``smap``)."""
-    missing = tuple(sorted(_varying(like) - _varying(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x
+from ..core._vary import vary_like as vary_like
 
 
 def index(*starts: jax.Array | int) -> tuple[jax.Array, ...]:

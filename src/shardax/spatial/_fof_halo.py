@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..comm import allreduce, alltoall, exchange
+from ..core._vary import vary_like
 from ..particles import Domain
 from ._catalogue import Partial, combine, min_image
-from ._fof_local import vary_like
 
 INT_MAX = jnp.iinfo(jnp.int32).max
 

@@ -27,20 +27,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._grid import Domain, Grid
+from ..core._vary import vary_like
+from ._grid import Domain, Grid, cell_coords, cell_keys
 
 # Cell keys are int32: the product of the cell counts must stay below 2**31.
 _MAX_CELLS = {2: 2**15 - 1, 3: 2**10 - 1}
-
-
-def vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
-    """``x`` marked as varying over the manual mesh axes ``like`` varies over (loop carries must agree)."""
-
-    def varying(a: jax.Array) -> frozenset[str]:
-        return frozenset(getattr(getattr(jax.typeof(a), "manual_axis_type", None), "varying", ()))
-
-    missing = tuple(sorted(varying(like) - varying(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 class Tuning(NamedTuple):
@@ -104,17 +95,6 @@ def link_grid(domain: Domain, num: jax.Array, linking_length: jax.Array, per_cel
     cells = lax.while_loop(too_many, shrink, cells)
     stride = jnp.concatenate([jnp.ones((1,), jnp.int32), jnp.cumprod(cells)[:-1]])
     return Grid(cells, domain.extent / cells.astype(domain.extent.dtype), stride)
-
-
-def cell_coords(pos: jax.Array, domain: Domain, grid: Grid) -> jax.Array:
-    """Integer cell coordinates `(n, d)` of positions `(n, d)`, clipped into the grid."""
-    c = jnp.floor((pos - domain.lo[None, :]) / grid.size[None, :]).astype(jnp.int32)
-    return jnp.clip(c, 0, grid.cells[None, :] - 1)
-
-
-def cell_keys(coords: jax.Array, grid: Grid) -> jax.Array:
-    """Row-major cell keys `(n,)` with axis 0 fastest."""
-    return jnp.sum(coords * grid.stride[None, :], axis=-1)
 
 
 def _cumsum(x: jax.Array, width: int = 128) -> jax.Array:

@@ -14,12 +14,13 @@ index cannot depend on which candidates were searched). Uncertified queries are 
 from __future__ import annotations
 
 import itertools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..core._vary import vary_like
 from ._grid import SENTINEL_KEY, Domain, Grid, axis_margin, cell_coords, cell_keys
 
 
@@ -48,21 +49,6 @@ def pair_dist2(q: jax.Array, c: jax.Array, domain: Domain) -> jax.Array:
     for axis in range(1, q.shape[-1]):
         total = total + axis_dist2(axis)
     return total
-
-
-def vary_like(tree: Any, like: jax.Array) -> Any:
-    """``tree``'s leaves marked as varying over the manual mesh axes ``like`` varies over (loop carries must agree).
-
-    A no-op outside ``smap``.
-    """
-    def varying(x: jax.Array) -> frozenset[str]:
-        return frozenset(getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", ()))
-
-    def cast(x: jax.Array) -> jax.Array:
-        missing = tuple(sorted(varying(like) - varying(x)))
-        return lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, tree)
 
 
 def positions_of(mask: jax.Array, size: int, fill: jax.Array | int) -> jax.Array:
