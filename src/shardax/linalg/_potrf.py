@@ -17,9 +17,9 @@ from ._vary import index, vary_like
 MAX_PHASES = 12
 
 
-def phase_bounds(local_blocks: int) -> list[int]:
-    """Boundaries (in local blocks) of the phases of the factorisation loop."""
-    count = min(local_blocks, MAX_PHASES)
+def phase_bounds(local_blocks: int, max_phases: int = MAX_PHASES) -> list[int]:
+    """Boundaries (in local blocks) of at most ``max_phases`` phases of a loop over the local blocks."""
+    count = min(local_blocks, max_phases)
     return sorted({round(i * local_blocks / count) for i in range(count + 1)})
 
 

@@ -19,6 +19,7 @@ from jax import lax
 from ..comm import allreduce
 from ..core import rank_info
 from ._layout import BlockCyclic, global_columns
+from ._potrf import phase_bounds
 from ._vary import index, vary_like
 
 # Static row/column windows of the reduction and back-transformation loops (as in ``_potrf``): phase q only touches
@@ -28,12 +29,6 @@ MAX_PHASES = 8
 MULTISECTION = 3
 # Inverse-iteration steps (each a factored solve, normalisation and, where there are clusters, reorthogonalisation).
 INVERSE_STEPS = 4
-
-
-def phase_bounds(local_blocks: int) -> list[int]:
-    """Boundaries (in local blocks) of the phases of the reduction and back-transformation loops."""
-    count = min(local_blocks, MAX_PHASES)
-    return sorted({round(i * local_blocks / count) for i in range(count + 1)})
 
 
 def _householder(col: jax.Array, jr: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -96,7 +91,7 @@ def tridiagonalize_local(a: jax.Array, layout: BlockCyclic
     t, nbl, npad = layout.tile, layout.local_blocks, layout.padded
     real = jnp.finfo(a.dtype).dtype
     cols = global_columns(rank, layout)
-    bounds = phase_bounds(nbl)
+    bounds = phase_bounds(nbl, MAX_PHASES)
     d = vary_like(jnp.zeros(npad, real), a)
     e = vary_like(jnp.zeros(npad, real), a)
     v_all = vary_like(jnp.zeros((npad, npad), a.dtype), a)
@@ -166,7 +161,7 @@ def back_transform_local(z: jax.Array, v_all: jax.Array, wy: jax.Array, layout: 
     """
     _, size, _ = rank_info()
     t = layout.tile
-    bounds = phase_bounds(layout.local_blocks)
+    bounds = phase_bounds(layout.local_blocks, MAX_PHASES)
     for q in reversed(range(len(bounds) - 1)):
         row0 = bounds[q] * size * t
         k0, k1 = bounds[q] * size, bounds[q + 1] * size
