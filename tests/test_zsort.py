@@ -273,12 +273,13 @@ def test_zsort_donate_and_peak_memory() -> None:
         return (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
                 + stats.temp_size_in_bytes) / data
 
-    # Inputs 1x, outputs 1x, one received copy and one exchange round's blocks (7.7x before the exchange scattered
-    # received rows into place); donation writes the outputs into the inputs' buffers.
+    # The issue's target: at most 3x the particle buffers. Inputs 1x, outputs 1x, and the keys, permutations and one
+    # exchange round's blocks (the particle data moves once, straight into the output: 7.7x when it was received
+    # whole and then sorted, 3.9x when it moved twice).
     plain, donated = peak(()), peak((0,))
     print(f"peak per device / particle buffers: {plain:.2f}x, donated {donated:.2f}x")
-    assert plain < 4.3, plain
-    assert donated < plain - 0.4, (plain, donated)
+    assert plain <= 3.0, plain
+    assert donated <= 3.0, donated
 
 
 class Tagged(NamedTuple):

@@ -65,12 +65,17 @@ def default_chunk(capacity: int, size: int) -> int:
 
 def _chunked(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: jax.Array, capacity: int,
              axes: tuple[str, ...], size: int, chunk: int | None, perm: jax.Array | None = None,
-             recv_at: jax.Array | None = None, init: Sequence[jax.Array] | None = None) -> list[jax.Array]:
+             recv_at: jax.Array | None = None, init: Sequence[jax.Array] | None = None,
+             target: jax.Array | None = None, row_maps: Sequence[Any] | None = None) -> list[jax.Array]:
     """The portable path: rounds of one fixed-size ``all_to_all`` each, received rows scattered into place.
 
     Optional, for callers that would otherwise materialise copies: ``perm`` (row ``i`` of the send order is
-    ``a[perm[i]]``), ``recv_at`` (`(size,)` row where each source's block starts; default packed in rank order) and
-    ``init`` (the buffers the received rows are written into; default zeros).
+    ``a[perm[i]]``), ``recv_at`` (`(size,)` row where each source's block starts; default packed in rank order),
+    ``init`` (the buffers the received rows are written into; default zeros) and ``target`` (`(n,)` int32 aligned
+    with the arrays' rows: the row of the receive buffer each row goes to, sent along with it; rows outside
+    ``[0, capacity)`` are dropped; overrides ``recv_at``). ``row_maps``: per array, ``None`` or an elementwise
+    function applied to its rows as they are sent (e.g. wrapping positions into a periodic box without a wrapped copy
+    of the whole array).
     """
     c = chunk or default_chunk(capacity, size)
     send_offsets = _exclusive_cumsum(send_counts)
@@ -81,10 +86,13 @@ def _chunked(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: j
         rounds = lax.pmax(rounds, axes)
     lanes = jnp.arange(c, dtype=jnp.int32)
     if init is None:
-        init = [jnp.zeros((capacity, *a.shape[1:]), a.dtype) for a in arrays]
+        # Zeros that depend on the counts, so that XLA cannot allocate the receive buffers long before the exchange
+        # (a constant broadcast may be scheduled at the very start and held through everything before it).
+        late = jnp.sum(recv_counts) < 0
+        init = [jnp.full((capacity, *a.shape[1:]), late, a.dtype) for a in arrays]
     # The carry's manual-axis type is that of the round's result: everything it is computed from, plus the exchange.
     vary = frozenset(axes).union(*(varying(x) for x in (*arrays, send_counts, recv_counts, recv_offsets)),
-                                 *(() if perm is None else (varying(perm),)))
+                                 *(varying(x) for x in (perm, target) if x is not None))
     outs = vary_over([jnp.asarray(o) for o in init], vary)
 
     # Arrays of 4- and 8-byte elements travel together: each round packs their rows into the columns of one uint32
@@ -104,6 +112,11 @@ def _chunked(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: j
     def exchange_block(buf: jax.Array) -> jax.Array:
         return lax.all_to_all(buf, axes, 0, 0, tiled=True) if axes else buf
 
+    def gather(k: int, idx: jax.Array) -> jax.Array:
+        rows = arrays[k].at[idx].get(mode="clip", wrap_negative_indices=False)
+        fn = None if row_maps is None else row_maps[k]
+        return rows if fn is None else fn(rows)
+
     def one_round(t: jax.Array, outs: list[jax.Array]) -> list[jax.Array]:
         start = t * c
         ok = (start + lanes)[None, :] < send_counts[:, None]  # (size, c)
@@ -119,10 +132,20 @@ def _chunked(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: j
             trailing = (1,) * (rows.ndim - 2)
             return exchange_block(jnp.where(ok.reshape(ok.shape + trailing), rows, jnp.zeros((), rows.dtype)))
 
-        if packed:
-            blocks = [words(jnp.take(arrays[k], idx, axis=0, mode="clip")) for k in packed]
+        if target is not None:
+            # The target rows travel as the last column of the packed block and place the rows they came with.
+            rows_at = words(jnp.take(target.astype(jnp.int32), idx, axis=0, mode="clip")[..., None])
+            blocks = [words(gather(k, idx)) for k in packed] + [rows_at]
+            recv = send(jnp.concatenate(blocks, axis=-1) if len(blocks) > 1 else blocks[0]).reshape(size * c, -1)
+            at = lax.bitcast_convert_type(recv[:, -1], jnp.int32)
+            at = jnp.where((at >= 0) & (at < capacity), at, capacity)
+            dest = jnp.where(got.reshape(-1), at, capacity)
+            blocks = blocks[:-1]
+        elif packed:
+            blocks = [words(gather(k, idx)) for k in packed]
             recv = send(jnp.concatenate(blocks, axis=-1) if len(blocks) > 1 else blocks[0])
             recv = recv.reshape(size * c, -1)
+        if packed:
             col = 0
             for k, block in zip(packed, blocks, strict=True):
                 width = block.shape[-1]
@@ -130,7 +153,7 @@ def _chunked(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: j
                 col += width
                 new[k] = outs[k].at[dest].set(rows, mode="drop")
         for k in loose:
-            recv = send(jnp.take(arrays[k], idx, axis=0, mode="clip"))
+            recv = send(gather(k, idx))  # after ``dest`` (which ``target`` may set)
             new[k] = outs[k].at[dest].set(recv.reshape(size * c, *arrays[k].shape[1:]), mode="drop")
         return new
 
@@ -170,9 +193,11 @@ def _ragged(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: ja
 
 def alltoallv_many(arrays: Sequence[jax.Array], send_counts: jax.Array, capacity: int, axes: tuple[str, ...],
                     impl: Impl, chunk: int | None, *, perm: jax.Array | None = None, recv_at: jax.Array | None = None,
-                    init: Sequence[jax.Array] | None = None) -> tuple[list[jax.Array], jax.Array, jax.Array]:
-    """``alltoallv`` of several arrays with one count exchange; ``perm``, ``recv_at`` and ``init`` as in
-    :func:`_chunked` (they let callers skip a permuted copy of the rows, or receive into a prepared buffer)."""
+                    init: Sequence[jax.Array] | None = None, target: jax.Array | None = None,
+                    row_maps: Sequence[Any] | None = None) -> tuple[list[jax.Array], jax.Array, jax.Array]:
+    """``alltoallv`` of several arrays with one count exchange; ``perm``, ``recv_at``, ``init``, ``target`` and
+    ``row_maps`` as in :func:`_chunked` (they let callers skip a permuted copy of the rows, receive into a prepared
+    buffer, place every row at its own row of the receiver, or transform rows on the way)."""
     size = axes_size(axes)
     send_counts = jnp.maximum(jnp.asarray(send_counts, jnp.int32), 0)
     if send_counts.shape != (size,):
@@ -182,10 +207,21 @@ def alltoallv_many(arrays: Sequence[jax.Array], send_counts: jax.Array, capacity
         overflow = jnp.sum(recv_counts) > capacity
     else:
         overflow = jnp.any(recv_at + recv_counts > capacity)
-    if axes and _use_ragged(impl):
+    if axes and _use_ragged(impl) and row_maps is not None:
+        arrays = [a if fn is None else fn(a) for a, fn in zip(arrays, row_maps, strict=True)]
+        row_maps = None
+    if axes and _use_ragged(impl) and target is not None:
+        # Packed by source first, then every row scattered to its target row.
+        *packed, at = _ragged([*arrays, target.astype(jnp.int32)], send_counts, recv_counts, capacity, axes, perm)
+        live = jnp.arange(capacity, dtype=jnp.int32) < jnp.sum(recv_counts)
+        at = jnp.where(live & (at >= 0) & (at < capacity), at, capacity)
+        outs = [(jnp.zeros((capacity, *a.shape[1:]), a.dtype) if init is None else init[k]).at[at].set(p, mode="drop")
+                for k, (a, p) in enumerate(zip(arrays, packed, strict=True))]
+    elif axes and _use_ragged(impl):
         outs = _ragged(arrays, send_counts, recv_counts, capacity, axes, perm, recv_at, init)
     else:
-        outs = _chunked(arrays, send_counts, recv_counts, capacity, axes, size, chunk, perm, recv_at, init)
+        outs = _chunked(arrays, send_counts, recv_counts, capacity, axes, size, chunk, perm, recv_at, init, target,
+                        row_maps)
     return outs, recv_counts, overflow
 
 

@@ -42,7 +42,8 @@ class RowLeaves:
 
 def take_rows(arrays: list[jax.Array], perm: jax.Array) -> list[jax.Array]:
     """Every array's rows in the order ``perm``."""
-    return [jnp.take(a, perm, axis=0, mode="clip") for a in arrays]
+    # Indices are never negative: no wrapped copy of ``perm``.
+    return [a.at[perm].get(mode="clip", wrap_negative_indices=False) for a in arrays]
 
 
 def resize_rows(arrays: list[jax.Array], capacity: int) -> list[jax.Array]:
@@ -58,7 +59,8 @@ def resize_rows(arrays: list[jax.Array], capacity: int) -> list[jax.Array]:
 
 
 def send_rows(arrays: list[jax.Array], send_counts: jax.Array, capacity: int, *, perm: jax.Array | None = None,
-              recv_at: jax.Array | None = None, init: list[jax.Array] | None = None
+              recv_at: jax.Array | None = None, init: list[jax.Array] | None = None,
+              target: jax.Array | None = None, row_maps: list[Any] | None = None, chunk: int | None = None
               ) -> tuple[list[jax.Array], jax.Array]:
     """``alltoallv`` of every array with the same ``send_counts`` (one count exchange, and one ``all_to_all`` per
     round for all 4- and 8-byte arrays together); returns the arrays and the rows received from each rank
@@ -66,7 +68,11 @@ def send_rows(arrays: list[jax.Array], send_counts: jax.Array, capacity: int, *,
 
     ``perm``: send ``a[perm]`` without building it. ``recv_at``: `(size,)` row where each source's block starts
     (default packed in rank order). ``init``: the buffers received rows are written into (default zeros).
+    ``target``: `(n,)` int32 row of the receiver each row goes to (aligned with the arrays' rows; sent along; rows
+    outside ``[0, capacity)`` are dropped), instead of blocks packed by source. ``row_maps``: per array, ``None``
+    or an elementwise function applied to its rows on the way. ``chunk``: rows per rank pair and round (default
+    :func:`shardax.comm._alltoallv.default_chunk`).
     """
-    outs, recv, _ = alltoallv_many(arrays, send_counts, capacity, resolve_axes(None), "auto", None, perm=perm,
-                                    recv_at=recv_at, init=init)
+    outs, recv, _ = alltoallv_many(arrays, send_counts, capacity, resolve_axes(None), "auto", chunk, perm=perm,
+                                    recv_at=recv_at, init=init, target=target, row_maps=row_maps)
     return outs, recv

@@ -1,13 +1,19 @@
-"""Distributed z-order sort: a sample sort into global Morton order, then an optional equalising shift.
+"""Distributed z-order sort: a sample sort into global Morton order, optionally cut into equal pieces.
 
 Each device keys its particles, draws stratified random samples of them, and all devices agree on ``ndev - 1``
 splitters by weighted quantiles of the gathered samples. Splitters are full ``(key, global input index)`` pairs, so
 duplicate keys (even every particle at one point) are split like distinct ones. Each device finds every row's
-destination by binary search over the splitters, groups its rows by destination (one cheap single-array sort of
-``destination, row``), sends them (``alltoallv``) and sorts what it received, once (rows arrive grouped by source rank in their input order,
-so equal keys stay in global input order). With ``equalize`` the globally sorted sequence is cut into
-``num_total / ndev`` (+-1) pieces: the cut points follow from the counts alone, only the rows that change device
-move, and they arrive in order. On one device zsort is a single local sort.
+bucket by binary search over the splitters and groups its rows by bucket (one cheap single-array sort of
+``bucket, row``). The particle data then moves once:
+
+1. only the keys go to their bucket's device (``alltoallv``), which sorts them, once (keys arrive grouped by source
+   rank in their input order, so equal keys stay in global input order) and so knows each key's global position;
+2. the positions go back along the reverse routes to the rows' senders;
+3. each sender sends every row straight to its final device and row: the bucket's device, or with ``equalize`` the
+   device holding that position when the sorted sequence is cut into ``num_total / ndev`` (+-1) pieces.
+
+Per device the sort holds the input, the output and a few int32 words per row. On one device zsort is a single local
+sort.
 """
 
 from __future__ import annotations
@@ -123,56 +129,40 @@ def _group(dest: jax.Array, valid: jax.Array, size: int) -> tuple[jax.Array, jax
     n = dest.shape[0]
     rows = jnp.arange(n, dtype=jnp.int32)
     bucket = jnp.where(valid, dest, size)  # padding last
-    counts = jnp.zeros((size + 1,), jnp.int32).at[bucket].add(1)[:size]
     bits = max(1, (n - 1).bit_length())
     if bits + size.bit_length() <= 32:
         packed = lax.sort((bucket.astype(jnp.uint32) << jnp.uint32(bits)) | rows.astype(jnp.uint32), is_stable=False)
-        return (packed & jnp.uint32((1 << bits) - 1)).astype(jnp.int32), counts
+        # Counts from the sorted words (no scatter of a materialised array of ones).
+        edges = jnp.searchsorted(packed, jnp.arange(size + 1, dtype=jnp.uint32) << jnp.uint32(bits)).astype(jnp.int32)
+        return (packed & jnp.uint32((1 << bits) - 1)).astype(jnp.int32), edges[1:] - edges[:-1]
+    counts = jnp.zeros((size + 1,), jnp.int32).at[bucket].add(1)[:size]
     return argsort_keys(bucket.astype(jnp.uint32), rows.astype(jnp.uint32)), counts
 
 
-def _equal_counts(counts: jax.Array, size: int, rank: jax.Array | int) -> jax.Array:
-    """Rows device ``rank`` sends to each device so that device ``d`` ends with ``total // size`` (+1 for the first
-    ``total % size``) rows of the global order, given every device's row count ``counts`` (`(size,)`); device
-    ``rank``'s rows start at the total count of the lower ranks."""
-    num = counts[rank]
+def _firsts(counts: jax.Array, size: int, equalize: bool) -> jax.Array:
+    """`(size,)` first global position held by each device at the end: the equal split of ``sum(counts)`` rows
+    (``total // size``, plus one for the first ``total % size`` devices), or the sample-sort buckets as they are."""
+    if not equalize:
+        return jnp.cumsum(counts) - counts
     total = jnp.sum(counts)
-    start = jnp.sum(jnp.where(jnp.arange(size) < rank, counts, 0))
     ranks = jnp.arange(size, dtype=jnp.int32)
-    base, extra = total // size, total % size
-    first = ranks * base + jnp.minimum(ranks, extra)
-    last = first + base + (ranks < extra).astype(jnp.int32)
-    return jnp.clip(jnp.minimum(start + num, last) - jnp.maximum(start, first), 0, None).astype(jnp.int32)
+    return ranks * (total // size) + jnp.minimum(ranks, total % size)
 
 
-def _equalize(arrays: list[jax.Array], order: jax.Array, num: jax.Array, size: int, cap: int
-              ) -> tuple[list[jax.Array], jax.Array]:
-    """Cut the globally sorted rows ``a[order]`` into the equal split; returns the arrays and the rows this device
-    now holds.
+def _device_and_row(place: jax.Array, first: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Final device and row of global positions ``place`` (-1: none) under the split ``first``."""
+    dev = jnp.sum(place[:, None] >= first[None, 1:], axis=1, dtype=jnp.int32)
+    return dev, place - first[dev]
 
-    Only the rows that change device go through ``alltoallv`` (near balance: short slices to the neighbours, one
-    round). The slice that stays is placed first, at its final rows, in the buffer the moved rows are received
-    into; rows from lower ranks land before it and rows from higher ranks after it. No sorted copy is built.
-    """
-    rank = rank_info().rank
-    counts = allgather(num)
-    send = _equal_counts(counts, size, rank)
-    ranks = jnp.arange(size, dtype=jnp.int32)
-    # What every source sends me follows from the counts alone.
-    recv = jax.vmap(lambda r: _equal_counts(counts, size, r)[rank])(ranks)
-    keep = jnp.sum(jnp.where(ranks == rank, send, 0))
-    keep_start = jnp.sum(jnp.where(ranks < rank, send, 0))
-    from_lower = jnp.sum(jnp.where(ranks < rank, recv, 0))
-    rows = jnp.arange(cap, dtype=jnp.int32)
-    mine = (rows >= from_lower) & (rows < from_lower + keep)
-    kept = order[jnp.clip(keep_start + rows - from_lower, 0, cap - 1)]
-    init = [jnp.where(mine.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.take(a, kept, axis=0, mode="clip"),
-                      jnp.zeros((), a.dtype)) for a in arrays]
-    foreign = order[jnp.clip(jnp.where(rows < keep_start, rows, rows + keep), 0, cap - 1)]
-    others = jnp.where(ranks == rank, 0, recv)
-    recv_at = jnp.cumsum(others) - others + jnp.where(ranks > rank, keep, 0)
-    out, _ = send_rows(arrays, jnp.where(ranks == rank, 0, send), cap, perm=foreign, recv_at=recv_at, init=init)
-    return out, jnp.sum(others) + keep
+
+def _minus_ones(n: int, after: jax.Array) -> jax.Array:
+    """`(n,)` int32 -1s computed from ``after`` (a scalar int), so that XLA cannot schedule the buffer before it
+    (a constant broadcast may be placed at the start of the program and held all the way)."""
+    return jnp.full((n,), -1 - (after < -1).astype(jnp.int32), jnp.int32)
+
+
+def _wrapped(part: Any, kbox: KeyBox) -> Any:
+    return replace_field(part, "pos", wrap(part.pos, kbox)) if kbox.periodic else part
 
 
 def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | None) -> Sorted:
@@ -187,9 +177,8 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
     valid = rows < num
     pos = jnp.asarray(part.pos)  # type: ignore[attr-defined]
     kbox = key_box(pos, valid, box)
-    if kbox.periodic:
-        pos = wrap(pos, kbox)
-        part = replace_field(part, "pos", pos)
+    # Positions are wrapped into a periodic box after they moved (the keys wrap on the fly), so that no wrapped copy
+    # of the input positions is held during the sort.
     nonfinite = allreduce(jnp.sum(valid & ~jnp.all(jnp.isfinite(pos), axis=1)).astype(jnp.int32))
     hi, lo = morton_key(pos, kbox, valid)
     if size == 1:
@@ -199,25 +188,50 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
             return resize_rows(take_rows([a], perm), cap)[0]
 
         out = with_num(map_rows(reorder, part, n), jnp.minimum(num, cap))
-        return Sorted(out, num > cap, num, nonfinite, kbox)
+        return Sorted(_wrapped(out, kbox), num > cap, num, nonfinite, kbox)
 
+    # The particle data moves once. First only the keys go to their sample-sort bucket, where one local sort ranks
+    # them; each row's global position goes back to its sender, which then sends the row straight to its final
+    # device and row. Per device this holds the input, the output and a few int32 words per row, never a received
+    # copy of the particles next to a sorted one.
     rows_of = RowLeaves(part, n)
     words = (hi, lo, scan(num, inclusive=False) + rows)
     perm, send = _group(_destinations(words, _splitters(words, num, size)), valid, size)
-    arrays, received = send_rows(rows_of.arrays(), send, cap, perm=perm)
-    received = jnp.sum(received)
-    needed = received
-    num = jnp.minimum(received, cap)
-    # Keys again from the received positions (cheaper than sending them along).
-    received_pos = rows_of.unpack(arrays, num).pos
-    hi, lo = morton_key(received_pos, kbox, jnp.arange(cap, dtype=jnp.int32) < num)
-    order = argsort_keys(hi, lo)
-    if equalize:
-        arrays, received = _equalize(arrays, order, num, size, cap)
-        needed = jnp.maximum(needed, received)
-        num = jnp.minimum(received, cap)
-    else:
-        arrays = take_rows(arrays, order)
+    # One materialised permutation for its two users (XLA would otherwise recompute it for each, and schedule the
+    # second copy early).
+    perm = lax.optimization_barrier(perm)
+    # Received into buffers of invalid keys, so that the padding sorts last without a masked copy.
+    invalid = jnp.full((cap,), jnp.uint32(0xFFFFFFFF) - (send[0] < 0).astype(jnp.uint32), jnp.uint32)
+    (khi, klo), from_src = send_rows([hi, lo], send, cap, perm=perm, init=[invalid, invalid])
+    got = jnp.sum(from_src)
+    stored = jnp.minimum(got, cap)
+    order = argsort_keys(khi, klo)
+    counts = allgather(stored)
+    first = _firsts(counts, size, equalize)
+    rank = rank_info().rank
+    bucket_start = jnp.sum(jnp.where(jnp.arange(size) < rank, counts, 0))
+    at = jnp.arange(cap, dtype=jnp.int32) + (order[0] < -1).astype(jnp.int32)  # (computed after the sort)
+    # Global position of each received key (its bucket's start plus its rank there); -1 for padding.
+    place = _minus_ones(cap, order[0]).at[order].set(jnp.where(at < stored, bucket_start + at, -1),
+                                                     unique_indices=True, wrap_negative_indices=False)
+    final_num = jnp.where(rank + 1 < size, first[jnp.minimum(rank + 1, size - 1)], jnp.sum(counts)) - first[rank]
+    # Positions back along the reverse routes, into the sender's grouped order (rows past a full bucket: -1).
+    src_offsets = jnp.cumsum(from_src) - from_src
+    kept_from = jnp.clip(cap - src_offsets, 0, from_src)
+    sent_at = jnp.cumsum(send) - send
+    (back,), _ = send_rows([place], kept_from, n, recv_at=sent_at, init=[_minus_ones(n, place[0])])
+    place = _minus_ones(n, back[0]).at[perm].set(back, unique_indices=True, wrap_negative_indices=False)
+    dev, row = _device_and_row(place, first)
+    placed = valid & (place >= 0)
+    perm, counts = _group(dev, placed, size)
+    # Positions are wrapped into a periodic box on the way (no wrapped copy of the input).
+    arrays = rows_of.arrays()
+    pos_leaf = [a is part.pos for a in rows_of.leaves]  # type: ignore[attr-defined]
+    maps = [(lambda p: wrap(p.reshape(-1, p.shape[-1]), kbox).reshape(p.shape)) if kbox.periodic and pos_leaf[i]
+            else None for i in rows_of.rows]
+    arrays, _ = send_rows(arrays, counts, cap, perm=perm, target=jnp.where(placed, row, -1), row_maps=maps)
+    needed = jnp.maximum(got, final_num) if equalize else got
+    num = jnp.minimum(final_num, cap)
     return Sorted(rows_of.unpack(arrays, num), needed > cap, needed, nonfinite, kbox)
 
 
