@@ -262,6 +262,8 @@ def test_zsort_donate_and_peak_memory() -> None:
         zsort.smap(mesh, jit=False, donate=True)
     with pytest.raises(TypeError, match="donate must be bool"):
         zsort.smap(mesh, donate="yes")
+    with pytest.raises(TypeError, match="donate must be bool"):
+        zsort.smap(mesh, donate=1)  # equal to True as a cache key: checked before the cache
 
     leaves, treedef = jax.tree.flatten(again)
     data = sum(leaf.nbytes for leaf in jax.tree.leaves(ref) if leaf.ndim >= 2) / len(jax.devices())  # per device
