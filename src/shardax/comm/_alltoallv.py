@@ -72,8 +72,8 @@ def _chunked(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: j
     Optional, for callers that would otherwise materialise copies: ``perm`` (row ``i`` of the send order is
     ``a[perm[i]]``), ``recv_at`` (`(size,)` row where each source's block starts; default packed in rank order),
     ``init`` (the buffers the received rows are written into; default zeros) and ``target`` (`(n,)` int32 aligned
-    with the arrays' rows: the row of the receive buffer each row goes to, sent along with it; rows outside
-    ``[0, capacity)`` are dropped; overrides ``recv_at``). ``row_maps``: per array, ``None`` or an elementwise
+    with the send order, i.e. with ``perm`` when it is given: the row of the receive buffer each sent row goes to,
+    sent along with it; rows outside ``[0, capacity)`` are dropped; overrides ``recv_at``). ``row_maps``: per array, ``None`` or an elementwise
     function applied to its rows as they are sent (e.g. wrapping positions into a periodic box without a wrapped copy
     of the whole array).
     """
@@ -120,9 +120,8 @@ def _chunked(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: j
     def one_round(t: jax.Array, outs: list[jax.Array]) -> list[jax.Array]:
         start = t * c
         ok = (start + lanes)[None, :] < send_counts[:, None]  # (size, c)
-        idx = jnp.clip(send_offsets[:, None] + start + lanes[None, :], 0, None)
-        if perm is not None:
-            idx = perm[jnp.clip(idx, 0, max(perm.shape[0] - 1, 0))]
+        at_send = jnp.clip(send_offsets[:, None] + start + lanes[None, :], 0, None)  # position in the send order
+        idx = at_send if perm is None else perm[jnp.clip(at_send, 0, max(perm.shape[0] - 1, 0))]
         got = (start + lanes)[None, :] < recv_counts[:, None]
         # Rows past the buffer (overflow) and empty lanes point at row ``capacity`` and are dropped.
         dest = jnp.where(got, recv_offsets[:, None] + start + lanes[None, :], capacity).reshape(-1)
@@ -134,7 +133,7 @@ def _chunked(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: j
 
         if target is not None:
             # The target rows travel as the last column of the packed block and place the rows they came with.
-            rows_at = words(jnp.take(target.astype(jnp.int32), idx, axis=0, mode="clip")[..., None])
+            rows_at = words(jnp.take(target.astype(jnp.int32), at_send, axis=0, mode="clip")[..., None])
             blocks = [words(gather(k, idx)) for k in packed] + [rows_at]
             recv = send(jnp.concatenate(blocks, axis=-1) if len(blocks) > 1 else blocks[0]).reshape(size * c, -1)
             at = lax.bitcast_convert_type(recv[:, -1], jnp.int32)
@@ -212,7 +211,8 @@ def alltoallv_many(arrays: Sequence[jax.Array], send_counts: jax.Array, capacity
         row_maps = None
     if axes and _use_ragged(impl) and target is not None:
         # Packed by source first, then every row scattered to its target row.
-        *packed, at = _ragged([*arrays, target.astype(jnp.int32)], send_counts, recv_counts, capacity, axes, perm)
+        packed = _ragged(arrays, send_counts, recv_counts, capacity, axes, perm)
+        (at,) = _ragged([target.astype(jnp.int32)], send_counts, recv_counts, capacity, axes)  # in send order
         live = jnp.arange(capacity, dtype=jnp.int32) < jnp.sum(recv_counts)
         at = jnp.where(live & (at >= 0) & (at < capacity), at, capacity)
         outs = [(jnp.zeros((capacity, *a.shape[1:]), a.dtype) if init is None else init[k]).at[at].set(p, mode="drop")

@@ -68,8 +68,8 @@ def send_rows(arrays: list[jax.Array], send_counts: jax.Array, capacity: int, *,
 
     ``perm``: send ``a[perm]`` without building it. ``recv_at``: `(size,)` row where each source's block starts
     (default packed in rank order). ``init``: the buffers received rows are written into (default zeros).
-    ``target``: `(n,)` int32 row of the receiver each row goes to (aligned with the arrays' rows; sent along; rows
-    outside ``[0, capacity)`` are dropped), instead of blocks packed by source. ``row_maps``: per array, ``None``
+    ``target``: `(n,)` int32 row of the receiver each sent row goes to (aligned with the send order, i.e. with
+    ``perm`` when given; sent along; rows outside ``[0, capacity)`` are dropped), instead of blocks packed by source. ``row_maps``: per array, ``None``
     or an elementwise function applied to its rows on the way. ``chunk``: rows per rank pair and round (default
     :func:`shardax.comm._alltoallv.default_chunk`).
     """

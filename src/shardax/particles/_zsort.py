@@ -2,13 +2,15 @@
 
 Each device keys its particles, draws stratified random samples of them, and all devices agree on ``ndev - 1``
 splitters by weighted quantiles of the gathered samples. Splitters are full ``(key, global input index)`` pairs, so
-duplicate keys (even every particle at one point) are split like distinct ones. Each device finds every row's
-bucket by binary search over the splitters and groups its rows by bucket (one cheap single-array sort of
-``bucket, row``). The particle data then moves once:
+duplicate keys (even every particle at one point) are split like distinct ones. Each device sorts its own keys once
+and finds every row's bucket by binary search over the splitters (its sorted rows are then grouped by bucket). The
+particle data then moves once:
 
 1. only the keys go to their bucket's device (``alltoallv``), which sorts them, once (keys arrive grouped by source
-   rank in their input order, so equal keys stay in global input order) and so knows each key's global position;
-2. the positions go back along the reverse routes to the rows' senders;
+   rank, each source's in its sorted order, so equal keys stay in global input order) and so knows each key's global
+   position;
+2. the positions go back along the reverse routes to the rows' senders, where they increase along the sender's sorted
+   order, which is therefore grouped by final device as it is;
 3. each sender sends every row straight to its final device and row: the bucket's device, or with ``equalize`` the
    device holding that position when the sorted sequence is cut into ``num_total / ndev`` (+-1) pieces.
 
@@ -121,24 +123,6 @@ def _destinations(words: tuple[jax.Array, ...], splitters: tuple[jax.Array, ...]
     return lo
 
 
-def _group(dest: jax.Array, valid: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
-    """Stable grouping by destination: ``(perm, send_counts)`` with ``rows[perm]`` grouped by rank in rank order.
-
-    One single-array sort of ``destination << b | row`` (uint32 when it fits, else the packed 64-bit sort).
-    """
-    n = dest.shape[0]
-    rows = jnp.arange(n, dtype=jnp.int32)
-    bucket = jnp.where(valid, dest, size)  # padding last
-    bits = max(1, (n - 1).bit_length())
-    if bits + size.bit_length() <= 32:
-        packed = lax.sort((bucket.astype(jnp.uint32) << jnp.uint32(bits)) | rows.astype(jnp.uint32), is_stable=False)
-        # Counts from the sorted words (no scatter of a materialised array of ones).
-        edges = jnp.searchsorted(packed, jnp.arange(size + 1, dtype=jnp.uint32) << jnp.uint32(bits)).astype(jnp.int32)
-        return (packed & jnp.uint32((1 << bits) - 1)).astype(jnp.int32), edges[1:] - edges[:-1]
-    counts = jnp.zeros((size + 1,), jnp.int32).at[bucket].add(1)[:size]
-    return argsort_keys(bucket.astype(jnp.uint32), rows.astype(jnp.uint32)), counts
-
-
 def _firsts(counts: jax.Array, size: int, equalize: bool) -> jax.Array:
     """`(size,)` first global position held by each device at the end: the equal split of ``sum(counts)`` rows
     (``total // size``, plus one for the first ``total % size`` devices), or the sample-sort buckets as they are."""
@@ -190,22 +174,22 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
         out = with_num(map_rows(reorder, part, n), jnp.minimum(num, cap))
         return Sorted(_wrapped(out, kbox), num > cap, num, nonfinite, kbox)
 
-    # The particle data moves once. First only the keys go to their sample-sort bucket, where one local sort ranks
-    # them; each row's global position goes back to its sender, which then sends the row straight to its final
+    # The particle data moves once. Each device first sorts its own keys: its rows are then grouped by bucket (the
+    # buckets are key ranges) and, in the end, by final device. Only the keys go to their bucket, where one sort
+    # ranks them; each row's global position goes back to its sender, which sends the row straight to its final
     # device and row. Per device this holds the input, the output and a few int32 words per row, never a received
-    # copy of the particles next to a sorted one.
+    # copy of the particles next to a sorted one, and no rows are regrouped after the first sort.
     rows_of = RowLeaves(part, n)
+    perm = argsort_keys(hi, lo)  # ties in row order, which is global index order
     words = (hi, lo, scan(num, inclusive=False) + rows)
-    perm, send = _group(_destinations(words, _splitters(words, num, size)), valid, size)
-    # One materialised permutation for its two users (XLA would otherwise recompute it for each, and schedule the
-    # second copy early).
-    perm = lax.optimization_barrier(perm)
+    bucket = jnp.where(valid, _destinations(words, _splitters(words, num, size)), size)
+    send = jnp.zeros((size + 1,), jnp.int32).at[bucket].add(1)[:size]
     # Received into buffers of invalid keys, so that the padding sorts last without a masked copy.
     invalid = jnp.full((cap,), jnp.uint32(0xFFFFFFFF) - (send[0] < 0).astype(jnp.uint32), jnp.uint32)
     (khi, klo), from_src = send_rows([hi, lo], send, cap, perm=perm, init=[invalid, invalid])
     got = jnp.sum(from_src)
     stored = jnp.minimum(got, cap)
-    order = argsort_keys(khi, klo)
+    order = argsort_keys(khi, klo)  # ties in arrival order: by source rank, then in the source's order
     counts = allgather(stored)
     first = _firsts(counts, size, equalize)
     rank = rank_info().rank
@@ -215,21 +199,21 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
     place = _minus_ones(cap, order[0]).at[order].set(jnp.where(at < stored, bucket_start + at, -1),
                                                      unique_indices=True, wrap_negative_indices=False)
     final_num = jnp.where(rank + 1 < size, first[jnp.minimum(rank + 1, size - 1)], jnp.sum(counts)) - first[rank]
-    # Positions back along the reverse routes, into the sender's grouped order (rows past a full bucket: -1).
+    # Positions back along the reverse routes, into the sender's sorted order (rows past a full bucket: -1). They
+    # increase along that order, so it is grouped by final device as it is.
     src_offsets = jnp.cumsum(from_src) - from_src
     kept_from = jnp.clip(cap - src_offsets, 0, from_src)
     sent_at = jnp.cumsum(send) - send
     (back,), _ = send_rows([place], kept_from, n, recv_at=sent_at, init=[_minus_ones(n, place[0])])
-    place = _minus_ones(n, back[0]).at[perm].set(back, unique_indices=True, wrap_negative_indices=False)
-    dev, row = _device_and_row(place, first)
-    placed = valid & (place >= 0)
-    perm, counts = _group(dev, placed, size)
+    dev, row = _device_and_row(back, first)
+    placed = (rows < num) & (back >= 0)
+    final_send = jnp.zeros((size + 1,), jnp.int32).at[jnp.where(placed, dev, size)].add(1)[:size]
     # Positions are wrapped into a periodic box on the way (no wrapped copy of the input).
     arrays = rows_of.arrays()
     pos_leaf = [a is part.pos for a in rows_of.leaves]  # type: ignore[attr-defined]
     maps = [(lambda p: wrap(p.reshape(-1, p.shape[-1]), kbox).reshape(p.shape)) if kbox.periodic and pos_leaf[i]
             else None for i in rows_of.rows]
-    arrays, _ = send_rows(arrays, counts, cap, perm=perm, target=jnp.where(placed, row, -1), row_maps=maps)
+    arrays, _ = send_rows(arrays, final_send, cap, perm=perm, target=jnp.where(placed, row, -1), row_maps=maps)
     needed = jnp.maximum(got, final_num) if equalize else got
     num = jnp.minimum(final_num, cap)
     return Sorted(rows_of.unpack(arrays, num), needed > cap, needed, nonfinite, kbox)
