@@ -178,6 +178,24 @@ def test_not_positive_definite(bad):
     assert int(status) == expected and np.isnan(np.asarray(inverse)).all()
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.complex128])
+def test_recursive_diagonal_blocks(dtype):
+    """Tiles above the leaf size (32) factor their diagonal blocks by recursive halving (uneven halves here); a
+    failure inside such a block still reports LAPACK's ``info``."""
+    mesh = make_mesh((2,))
+    n, tile = 150, 70
+    with jax.enable_x64(True):
+        a = hpd(n, dtype, seed=12)
+        ad = put(a, mesh, "cols")
+        close(sx.linalg.potrf(ad, tile=tile), np.linalg.cholesky(a), dtype)
+        b = rhs(n, 2, dtype)
+        close(sx.linalg.potrs(ad, jnp.asarray(b), tile=tile), sl.cho_solve(sl.cho_factor(a), b), dtype)
+        a[100, 100] = -1.0
+        factor, status = sx.linalg.potrf(put(a, mesh, "cols"), tile=tile, return_status=True)
+    assert int(status) == first_bad_minor(a) == 101
+    assert np.isnan(np.asarray(factor)).all()
+
+
 def test_only_lower_triangle_is_read():
     mesh = make_mesh((4,))
     n = 24

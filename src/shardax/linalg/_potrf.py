@@ -12,8 +12,9 @@ from ._layout import BlockCyclic, global_columns
 from ._vary import index, vary_like
 
 # The fori_loop over factorisation steps is split into at most this many phases with static, shrinking windows:
-# phase q only touches rows and local columns past its start, and its update skips the column groups' upper
-# triangles, so the dense products do about 1.2x the flops of an exact Cholesky instead of 6x.
+# phase q only touches rows and local columns past its start, its update skips the column groups' upper triangles,
+# and the phase's own group is skipped once it is factored (the dense products would otherwise do up to 6x the
+# flops of an exact Cholesky).
 MAX_PHASES = 12
 
 
@@ -23,9 +24,66 @@ def phase_bounds(local_blocks: int, max_phases: int = MAX_PHASES) -> list[int]:
     return sorted({round(i * local_blocks / count) for i in range(count + 1)})
 
 
+# Diagonal blocks are factored by recursive halving down to blocks of at most this order, which run one fori_loop
+# step per column.
+LEAF = 32
+
+
+def _leaf_factor(d: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(L, L^{-1})`` of the Hermitian ``d: (n, n)`` (lower triangle read) by an unblocked Cholesky whose step ``j``
+    also forms row ``j`` of the inverse (it needs only rows ``<= j`` of ``L``). NaN where ``d`` is not positive
+    definite."""
+    n = d.shape[0]
+    rows = jnp.arange(n, dtype=jnp.int32)
+    eye = jnp.eye(n, dtype=d.dtype)
+
+    def body(j, carry):
+        m, factor, inverse = carry
+        # Only the real part of the diagonal is read, as LAPACK does.
+        root = jnp.sqrt(jnp.real(lax.dynamic_index_in_dim(lax.dynamic_index_in_dim(m, j, 0, False), j, 0, False)))
+        column = lax.dynamic_index_in_dim(m, j, 1, False) / root.astype(m.dtype)
+        column = jnp.where(rows > j, column, jnp.where(rows == j, root.astype(m.dtype), jnp.zeros_like(column)))
+        factor = lax.dynamic_update_index_in_dim(factor, column, j, 1)
+        row = lax.dynamic_index_in_dim(factor, j, 0, False)
+        inverse_row = (lax.dynamic_index_in_dim(eye, j, 0, False) - row @ inverse) / row[j]
+        inverse = lax.dynamic_update_index_in_dim(inverse, inverse_row, j, 0)
+        return m - column[:, None] * jnp.conj(column)[None, :], factor, inverse
+
+    zeros = jnp.zeros_like(d)
+    _, factor, inverse = lax.fori_loop(jnp.int32(0), jnp.int32(n), body, (jnp.tril(d), zeros, zeros))
+    return factor, inverse
+
+
+def diagonal_factor(d: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(L, L^{-1})`` of the Hermitian ``d: (n, n)`` (lower triangle read), by recursive halving: matrix products
+    only, no LAPACK call (a multithreaded BLAS call inside the loop competes with XLA's threads for the cores). NaN
+    where ``d`` is not positive definite."""
+    n = d.shape[0]
+    if n <= LEAF:
+        return _leaf_factor(d)
+    h = n // 2
+    l11, w11 = diagonal_factor(d[:h, :h])
+    l21 = d[h:, :h] @ jnp.conj(w11).T
+    l22, w22 = diagonal_factor(d[h:, h:] - l21 @ jnp.conj(l21).T)
+    w21 = -(w22 @ (l21 @ w11))
+    zeros = jnp.zeros((h, n - h), d.dtype)
+    return jnp.block([[l11, zeros], [l21, l22]]), jnp.block([[w11, zeros], [w21, w22]])
+
+
+def _times_inverse_h(b: jax.Array, w: jax.Array) -> jax.Array:
+    """``b W^H`` for the lower triangular ``w: (t, t)``, skipping the zero quarter of ``W^H`` (3/4 of the dense
+    product's flops)."""
+    h = w.shape[0] // 2
+    if h == 0:
+        return b @ jnp.conj(w).T
+    left = b[:, :h] @ jnp.conj(w[:h, :h]).T
+    right = b[:, :h] @ jnp.conj(w[h:, :h]).T + b[:, h:] @ jnp.conj(w[h:, h:]).T
+    return jnp.concatenate([left, right], axis=1)
+
+
 def first_failure(diag: jax.Array) -> jax.Array:
     """1-based index of the first non-positive pivot of the Hermitian ``diag: (t, t)`` (its lower triangle), by an
-    unblocked Cholesky; 0 if there is none. Only run on a block that LAPACK reported as failed."""
+    unblocked Cholesky; 0 if there is none. Only run on a block whose factor came out non-finite."""
     t = diag.shape[0]
     rows = jnp.arange(t, dtype=jnp.int32)
 
@@ -71,12 +129,11 @@ def potrf_local(a: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.Array
 
             def factor(col):
                 diag = lax.dynamic_slice(col, index(offset, 0), (t, t))
-                lkk = lax.linalg.cholesky(diag, symmetrize_input=False)
+                lkk, wkk = diagonal_factor(diag)
                 ok = jnp.all(jnp.isfinite(lkk))
-                panel = lax.linalg.triangular_solve(lkk, col, left_side=False, lower=True, transpose_a=True,
-                                                    conjugate_a=True)
+                panel = _times_inverse_h(col, wkk)
                 panel = jnp.where(rows >= offset + t, panel, jnp.zeros_like(panel))
-                panel = lax.dynamic_update_slice(panel, jnp.tril(lkk), index(offset, 0))
+                panel = lax.dynamic_update_slice(panel, lkk, index(offset, 0))
                 fail = lax.cond(ok, lambda d: vary_like(jnp.int32(0), d), first_failure, diag)
                 return panel, jnp.where(fail > 0, fail + k * t, 0).astype(jnp.int32)
 
@@ -96,8 +153,17 @@ def potrf_local(a: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.Array
             for g in range(q, len(bounds) - 1):
                 c0, c1 = bounds[g] * t, bounds[g + 1] * t
                 rg = bounds[g] * size * t
-                update = panel[rg - row0:] @ right[c0 - start * t:c1 - start * t].T
-                a = a.at[rg:, c0:c1].add(-update)
+
+                def apply(block, rg=rg, c0=c0, c1=c1):
+                    return block - panel[rg - row0:] @ right[c0 - start * t:c1 - start * t].T
+
+                if g == q:
+                    # This phase's own column group is factored during the phase: once its last block (global
+                    # index (bounds[q + 1] - 1) * size + rank) is done the whole product would be masked, so skip it.
+                    live = (bounds[q + 1] - 1) * size + rank > k
+                    a = a.at[rg:, c0:c1].set(lax.cond(live, apply, lambda block: block, a[rg:, c0:c1]))
+                else:
+                    a = a.at[rg:, c0:c1].set(apply(a[rg:, c0:c1]))
             return a, info
 
         a, info = lax.fori_loop(jnp.int32(bounds[q] * size), jnp.int32(bounds[q + 1] * size), step, (a, info))
