@@ -14,7 +14,7 @@ import shardax as sx
 from conftest import make_mesh
 from shardax.particles import Particles
 from shardax.spatial._fof import fof
-from shardax.spatial._fof_local import Tuning
+from shardax.spatial._fof_local import Tuning, piece_space
 from test_fof_multiprocess import (
     MIN_MEMBERS,
     compare_catalogues,
@@ -198,3 +198,45 @@ def test_capacity_error_names_the_argument() -> None:
     want = reference_labels(pos, 0.3, None, 2)
     got = labels_by_input_index(np.asarray(res.labels), np.asarray(part.ids), np.asarray(part.num), len(pos))
     np.testing.assert_array_equal(got, want)
+
+
+def test_piece_space_unwraps_a_piece_across_the_box_edge() -> None:
+    """A piece touching both ends of the box on x is gridded open there (unwrapped), periodic on y (full span)."""
+    rng = np.random.default_rng(11)
+    pos = rng.random((400, 2)).astype(np.float32)
+    pos[:, 0] = np.where(pos[:, 0] < 0.5, pos[:, 0] * 0.1, 1 - pos[:, 0] * 0.1)  # x in [0, .05) and (.9, .95]
+    box = jnp.ones((2,), jnp.float32)
+    valid = jnp.ones((400,), bool)
+    lower = jnp.array([[0.95, 0.0], [0.0, 0.0]], jnp.float32)
+    upper = jnp.array([[1.0, 1.0], [0.05, 1.0]], jnp.float32)
+    space, grid_pos = piece_space(jnp.asarray(pos), valid, box, jnp.float32(0.01), lower, upper,
+                                  jnp.ones((2,), bool))
+    assert np.asarray(space.wrap).tolist() == [False, True]
+    assert float(space.extent[0]) < 0.16  # not the whole box
+    np.testing.assert_allclose(np.asarray(grid_pos)[:, 0] % 1.0, pos[:, 0], atol=1e-6)
+
+
+def _wrapped_clusters(dim: int, seed: int) -> dict:
+    """Clustered periodic data whose blobs and filaments cross the box faces (pieces that wrap on some axes)."""
+    rng = np.random.default_rng(seed)
+    centres = np.concatenate([rng.random((6, dim)), np.zeros((1, dim)), np.full((1, dim), 0.999)])
+    blobs = np.concatenate([c + 0.01 * rng.standard_normal((120, dim)) for c in centres])
+    t = rng.random(300)
+    filament = np.stack([t] + [0.98 + 0.004 * rng.standard_normal(300) for _ in range(dim - 1)], axis=1)
+    pos = np.concatenate([blobs, filament, rng.random((600, dim))]) % 1.0
+    return {"pos": pos.astype(np.float32), "vel": None, "mass": None,
+            "linking_length": 0.012 if dim == 3 else 0.008, "box": 1.0}
+
+
+@pytest.mark.parametrize("dim", [2, 3])
+def test_pieces_wrapping_the_box(dim: int) -> None:
+    """Local grids over pieces that wrap the periodic box on some axes, at several device counts, clustered data."""
+    data = _wrapped_clusters(dim, 20 + dim)
+    want = reference_labels(data["pos"], data["linking_length"], data["box"], 5)
+    assert (np.bincount(want[want >= 0]) >= 100).sum() >= 3
+    labels, _ = _local(data, min_members=5)
+    np.testing.assert_array_equal(labels, want)
+    for shape in ((2,), (4,), (8,), (2, 4)):
+        labels, got = _global(data, shape, min_members=5)
+        np.testing.assert_array_equal(labels, want)
+        np.testing.assert_array_equal(got["label"], np.unique(want[want >= 0]))

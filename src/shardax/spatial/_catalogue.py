@@ -159,8 +159,10 @@ def finish(parts: Partial, label: jax.Array, keep: jax.Array, capacity: int,
     """
     big = jnp.iinfo(jnp.int32).max
     key = jnp.where(keep, label, big)
-    order = jnp.argsort(key, stable=True)[:capacity] if key.shape[0] >= capacity else jnp.argsort(key, stable=True)
     needed = jnp.sum(keep, dtype=jnp.int32)
+    # Only the kept rows are sorted (at most `capacity` of them, in row order: ties stay in row order).
+    (order,) = jnp.nonzero(keep, size=min(capacity, key.shape[0]), fill_value=key.shape[0] - 1)
+    order = order[jnp.argsort(jnp.where(jnp.arange(order.shape[0]) < needed, key[order], big), stable=True)]
     num = jnp.minimum(needed, capacity).astype(jnp.int32)
     pad = capacity - order.shape[0]
     rows = jnp.arange(capacity, dtype=jnp.int32)

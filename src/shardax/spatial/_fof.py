@@ -20,9 +20,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .._errors import CapacityError
-from ..comm import allreduce, scan
+from ..comm import allgather, allreduce, scan
 from ..core import ALL, rank_info, smap
-from ..particles._domain import domain_of
 from ..particles._morton import given_box_values
 from ..particles._particles import check_positions
 from ..particles._zsort import sort_particles
@@ -33,10 +32,19 @@ from ._fof_halo import (
     exchange_columns,
     exchange_ghosts,
     merge_labels,
+    piece_cells,
     segment_min_labels,
 )
-from ._fof_local import DEFAULT_TUNING, Tuning, components, find_links, link_grid, sort_points
-from ._grid import open_domain, periodic_domain
+from ._fof_local import (
+    DEFAULT_TUNING,
+    Tuning,
+    components,
+    find_links,
+    link_grid,
+    piece_space,
+    sort_points,
+    whole_space,
+)
 
 _CAPACITIES = ("edge_capacity", "halo_capacity", "max_groups", "capacity")
 
@@ -61,15 +69,15 @@ class FofResult(NamedTuple):
 
 
 class _Rows(NamedTuple):
-    """What travels with each particle through the z-order sort."""
+    """What travels with each particle through the z-order sort: only the fields the particles have (``home (n, 2)``,
+    the input device and row, only with ``ids`` given: otherwise they follow from the ids)."""
 
     pos: jax.Array
     num: jax.Array
-    mass: jax.Array
-    vel: jax.Array
     ids: jax.Array
-    home_rank: jax.Array
-    home_row: jax.Array
+    mass: jax.Array | None
+    vel: jax.Array | None
+    home: jax.Array | None
 
 
 def _positive_int(value: Any, name: str, *, allow_none: bool = False) -> int | None:
@@ -172,17 +180,20 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
     group_cap = _positive_int(max_groups, "max_groups", allow_none=True) or total_rows // min_members + 16
 
     num = jnp.clip(jnp.asarray(part.num, jnp.int32), 0, n)
+    part_num = num
     rows = jnp.arange(n, dtype=jnp.int32)
     valid = rows < num
     if not isinstance(pos, Tracer) and not bool(jnp.all(jnp.isfinite(jnp.where(valid[:, None], pos, 0)))):
         raise ValueError("fof: part.pos has NaN or infinite coordinates; remove or fix those particles")
     mass = getattr(part, "mass", None)
-    mass = jnp.ones((n,), dtype) if mass is None else jnp.broadcast_to(jnp.asarray(mass, dtype), (n,))
+    mass = None if mass is None else jnp.broadcast_to(jnp.asarray(mass, dtype), (n,))
     vel = getattr(part, "vel", None)
-    vel = jnp.zeros((n, dim), dtype) if vel is None else jnp.asarray(vel, dtype)
+    vel = None if vel is None else jnp.asarray(vel, dtype)
     ids = getattr(part, "ids", None)
-    ids = (scan(num, inclusive=False) if size > 1 else 0) + rows if ids is None else jnp.asarray(ids, jnp.int32)
-    carry = _Rows(pos, num, mass, vel, ids, jnp.full((n,), rank, jnp.int32), rows)
+    own_ids = ids is None
+    ids = (scan(num, inclusive=False) if size > 1 else 0) + rows if own_ids else jnp.asarray(ids, jnp.int32)
+    home = None if own_ids or size == 1 else jnp.stack([jnp.full((n,), rank, jnp.int32), rows], axis=1)
+    carry = _Rows(pos, num, ids, mass, vel, home)
 
     rows_needed = num
     overflow = jnp.zeros((), bool)
@@ -190,34 +201,41 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
         result = sort_particles(carry, box, True, n)
         carry = result.part
         rows_needed, overflow = result.needed, result.overflow
-        domain = domain_of(carry, result.key_box, 64)
+        pieces = piece_cells(carry.pos, carry.num, result.key_box.origin.astype(dtype),
+                             result.key_box.extent.astype(dtype), 64)
     elif boxv is not None:
         carry = carry._replace(pos=carry.pos - boxv[None, :] * jnp.floor(carry.pos / boxv[None, :]))
     num = carry.num
     own_valid = rows < num
+    mass = jnp.ones((n,), dtype) if carry.mass is None else carry.mass
+    vel = jnp.zeros((n, dim), dtype) if carry.vel is None else carry.vel
 
     # Own rows, then ghosts from the other devices.
     if size > 1:
-        halo = exchange_ghosts(carry.pos, carry.ids, num, domain, ll, boxv, rank, size, hc)
+        halo = exchange_ghosts(carry.pos, carry.ids, pieces, ll, boxv, rank, size, hc)
         ghost_valid = jnp.arange(hc, dtype=jnp.int32) < halo.num
         pos_all = jnp.concatenate([carry.pos, halo.pos])
         ids_all = jnp.concatenate([carry.ids, halo.ids])
         valid_all = jnp.concatenate([own_valid, ghost_valid])
-        lower, upper = domain.cell_lower[rank], domain.cell_upper[rank]
-        occupied = domain.cell_count[rank] > 0
+        lower, upper = pieces.lower[rank], pieces.upper[rank]
+        occupied = pieces.count[rank] > 0
         extent = jnp.where(occupied[:, None], upper - lower + ll, 0).astype(jnp.float32)
         volume = jnp.sum(jnp.prod(extent, axis=1))
+        if boxv is not None:
+            # A grid over this device's piece (ghosts unwrapped next to it), not over the whole box: small cells
+            # and the counting sort of one device.
+            space, grid_pos = piece_space(pos_all, valid_all, boxv, ll, lower, upper, occupied)
+        else:
+            space, grid_pos = whole_space(pos_all, valid_all, None), pos_all
     else:
         pos_all, ids_all, valid_all, volume = carry.pos, carry.ids, own_valid, None
+        space, grid_pos = whole_space(pos_all, valid_all, boxv), pos_all
     big = total_rows
-    link_domain = open_domain(pos_all, valid_all) if boxv is None else periodic_domain(boxv)
     count_all = jnp.sum(valid_all, dtype=jnp.int32)
     table_cells = int(tuning.table * total_rows) + 64
-    grid = link_grid(link_domain, count_all, ll, tuning.per_cell, table_cells, volume)
-    # Several devices: the grid spans the whole box at the density of this device's piece, a point or two per
-    # cell, where the comparison sort is faster than dealing ranks.
-    points = sort_points(pos_all, valid_all, link_domain, grid, table_cells, tuning.rank_rounds if size == 1 else 0)
-    links = find_links(points, count_all, ll, link_domain, grid, edge_capacity=edge_cap, tuning=tuning)
+    grid = link_grid(space, count_all, ll, tuning.per_cell, table_cells, volume)
+    points = sort_points(pos_all, valid_all, space, grid, table_cells, tuning.rank_rounds, grid_pos)
+    links = find_links(points, count_all, ll, space, grid, edge_capacity=edge_cap, tuning=tuning)
     root = components(links, big, tuning.edge_chunk)
     component = jnp.zeros((big,), jnp.int32).at[points.rows].set(points.rows[root])
     labels = segment_min_labels(jnp.where(valid_all, ids_all, INT_MAX), component)
@@ -230,8 +248,8 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
 
     # Per-component sums of own members; components with ghosts are pieces of groups that cross devices.
     own_rows = jnp.concatenate([own_valid, jnp.zeros((hc,), bool)])
-    mass_all = jnp.concatenate([carry.mass, jnp.zeros((hc,), dtype)])
-    vel_all = jnp.concatenate([carry.vel, jnp.zeros((hc, dim), dtype)])
+    mass_all = jnp.concatenate([mass, jnp.zeros((hc,), dtype)])
+    vel_all = jnp.concatenate([vel, jnp.zeros((hc, dim), dtype)])
     parts = partial_sums(pos_all, mass_all, vel_all, component, own_rows, big, boxv)
     if size > 1:
         has_ghost = jax.ops.segment_max(jnp.concatenate([jnp.zeros((n,), jnp.int32), ghost_valid.astype(jnp.int32)]),
@@ -255,9 +273,16 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
     member = own_valid & (group_count[component[:n]] >= min_members)
     own_label = jnp.where(member, labels[:n], -1)
     if size > 1:
-        back, back_num, back_overflow = exchange_columns({"row": carry.home_row, "label": own_label},
-                                                         carry.home_rank, num=num, capacity=n)
-        live = rows < back_num
+        if carry.home is None:  # ids are the global input index: (device, row) from the devices' counts
+            offsets = jnp.cumsum(allgather(part_num)) - allgather(part_num)
+            home_rank = (jnp.searchsorted(offsets, carry.ids, side="right") - 1).astype(jnp.int32)
+            home_row = carry.ids - offsets[jnp.clip(home_rank, 0, size - 1)]
+        else:
+            home_rank, home_row = carry.home[:, 0], carry.home[:, 1]
+        back, back_counts, back_overflow, _ = exchange_columns({"row": home_row, "label": own_label},
+                                                               jnp.clip(home_rank, 0, size - 1), num=num, size=size,
+                                                               capacity=n)
+        live = rows < jnp.sum(back_counts)
         own_label = jnp.full((n,), -1, jnp.int32).at[jnp.where(live, back["row"], n)].set(back["label"],
                                                                                          mode="drop")
         overflow = overflow | back_overflow

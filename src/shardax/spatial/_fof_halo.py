@@ -1,11 +1,12 @@
 """The distributed side of friends-of-friends: boundary particles, label merging and group totals across devices.
 
-After the z-order sort each device holds a compact piece of space, described by the replicated cell boxes of
-:class:`shardax.particles.Domain`. A particle within the linking length of another device's cell boxes is sent there
+After the z-order sort each device holds a compact piece of space, described by the replicated boxes of a few
+runs of its rows (:func:`piece_cells`). A particle within the linking length of another device's cell boxes is sent there
 as a *ghost* (only boundary particles travel; their number grows like the surface of the piece). Each device links
 its own particles together with its ghosts, so every cross-device pair is seen on both sides. Labels then settle by
 alternating two exchanges over the same routes (ghost to owner, owner to ghost) with a minimum over each local
-component, until a global check says no label changed. A group touching a boundary is summed by the device
+component, until a global check says no label changed; these exchanges follow the fixed routes of the ghosts and
+need no sorting. A group touching a boundary is summed by the device
 ``label % ndev`` from the pieces each device sends it; the totals go back along the reverse route.
 """
 
@@ -17,49 +18,137 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..comm import allreduce, alltoall, exchange
+from ..comm import allgather, allreduce
+from ..comm._alltoallv import alltoallv_many
+from ..core._rank import resolve_axes
 from ..core._vary import vary_like
-from ..particles import Domain
 from ._catalogue import Partial, combine, min_image
 
 INT_MAX = jnp.iinfo(jnp.int32).max
 
 
+class Pieces(NamedTuple):
+    """Every device's piece of space as a few boxes over runs of its z-sorted rows (replicated).
+
+    ``start (size, m)`` first row and ``count (size, m)`` rows of each run (a cell of the Morton grid, so a run is
+    compact in space), ``lower``/``upper (size, m, d)`` the bounding box of its particles.
+    """
+
+    start: jax.Array
+    count: jax.Array
+    lower: jax.Array
+    upper: jax.Array
+
+
 class Halo(NamedTuple):
-    """Routes of the ghost exchange: what this device sent, and the ghosts it received."""
+    """Routes of the ghost exchange: what this device sent, and the ghosts it received.
+
+    The send list is grouped by destination rank and the ghosts arrive grouped by owner rank, each group in the
+    order it was sent, so a column travels either way along these routes without any sorting
+    (:func:`send_grouped` with ``send_counts`` or ``recv_counts``), and what comes back lines up with the rows
+    that went out.
+    """
 
     send_row: jax.Array  # (h,) own row of each sent copy
     send_dest: jax.Array  # (h,) destination rank of each sent copy
     send_num: jax.Array  # copies sent
+    send_counts: jax.Array  # (size,) copies sent to each rank
     pos: jax.Array  # (h, d) ghost positions
     ids: jax.Array  # (h,) ghost ids
-    src_row: jax.Array  # (h,) row of each ghost on its owner
-    src_rank: jax.Array  # (h,) owner rank of each ghost
     num: jax.Array  # ghosts received
+    recv_counts: jax.Array  # (size,) ghosts received from each rank
     needed: jax.Array  # rows the send or the receive side needed
     overflow: jax.Array
 
 
-def exchange_columns(columns: dict[str, jax.Array], dest: jax.Array, *, num: jax.Array,
-                     capacity: int) -> tuple[dict[str, jax.Array], jax.Array, jax.Array]:
-    """:func:`shardax.comm.exchange` of several per-row arrays packed into one (fewer collectives to compile).
+def send_grouped(columns: dict[str, jax.Array], counts: jax.Array, *, capacity: int,
+                 perm: jax.Array | None = None) -> tuple[dict[str, jax.Array], jax.Array, jax.Array]:
+    """Send rows already grouped by destination rank (``counts (size,)`` rows for each rank, in rank order; or
+    row ``perm[i]`` as the ``i``-th) to their ranks.
 
-    Arrays of 32-bit dtypes travel as the columns of one int32 array (bit-exact); otherwise they travel as they are.
+    Columns of 32-bit dtypes travel packed into one int32 array (bit-exact, one collective per round); others as
+    they are. Returns ``(columns, recv_counts, overflow)``: ``capacity`` rows grouped by source rank, each source's
+    rows in the order they were sent.
     """
     names = list(columns)
     arrays = [columns[k] for k in names]
+    axes = resolve_axes(None)
     if not all(jnp.dtype(a.dtype).itemsize == 4 for a in arrays):
-        return exchange(columns, dest, num=num, capacity=capacity)
+        outs, recv_counts, overflow = alltoallv_many(arrays, counts, capacity, axes, "auto", None, perm=perm)
+        return dict(zip(names, outs, strict=True)), recv_counts, overflow
     n = arrays[0].shape[0]
     packed = jnp.concatenate([lax.bitcast_convert_type(a, jnp.int32).reshape(n, -1) for a in arrays], axis=1)
-    got, got_num, overflow = exchange({"packed": packed}, dest, num=num, capacity=capacity)
+    (got,), recv_counts, overflow = alltoallv_many([packed], counts, capacity, axes, "auto", None, perm=perm)
     out, at = {}, 0
     for name, a in zip(names, arrays, strict=True):
         width = 1 if a.ndim == 1 else a.shape[1]
-        col = got["packed"][:, at:at + width].reshape((capacity, *a.shape[1:]))
+        col = got[:, at:at + width].reshape((capacity, *a.shape[1:]))
         out[name] = lax.bitcast_convert_type(col, a.dtype)
         at += width
-    return out, got_num, overflow
+    return out, recv_counts, overflow
+
+
+def route(dest: jax.Array, num: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """``(perm, counts)``: the first ``num`` rows grouped by ``dest`` (each group in row order) and the rows per
+    rank. One sort of a single int32 key (``dest * n + row``; XLA:CPU sorts one operand several times faster than
+    a key with a payload)."""
+    n = dest.shape[0]
+    rows = jnp.arange(n, dtype=jnp.int32)
+    key = jnp.where(rows < num, dest, size)
+    counts = jnp.zeros((size + 1,), jnp.int32).at[key].add(1)[:size]
+    if (size + 1) * n < 2**31:
+        perm = lax.sort(key * n + rows) % n
+    else:
+        perm = jnp.argsort(key, stable=True).astype(jnp.int32)
+    return perm, counts
+
+
+def exchange_columns(columns: dict[str, jax.Array], dest: jax.Array, *, num: jax.Array, size: int,
+                     capacity: int) -> tuple[dict[str, jax.Array], jax.Array, jax.Array, jax.Array]:
+    """Send each of the first ``num`` rows of the columns to rank ``dest[i]``.
+
+    Returns ``(columns, recv_counts, overflow, perm)``: as :func:`send_grouped`, and the order the rows were sent
+    in (what comes back along the reverse route, ``send_grouped(..., recv_counts)``, lines up with ``perm``).
+    """
+    perm, counts = route(dest, num, size)
+    out, recv_counts, overflow = send_grouped(columns, counts, capacity=capacity, perm=perm)
+    return out, recv_counts, overflow, perm
+
+
+def piece_cells(pos: jax.Array, num: jax.Array, origin: jax.Array, extent: jax.Array,
+                cells: int) -> Pieces:
+    """At most ``cells`` compact runs of z-sorted rows per device, with their bounding boxes (gathered).
+
+    Runs are the cells of the finest Morton level (at most 10) that cuts this device's rows into at most ``cells``
+    runs. Two consecutive rows lie in different cells of level ``l`` when their grid coordinates at level 10 differ
+    in one of the top ``l`` bits, so no key is recomputed.
+    """
+    n, dim = pos.shape
+    levels = 10
+    rows = jnp.arange(n, dtype=jnp.int32)
+    valid = rows < num
+    scale = jnp.asarray(float(1 << levels), pos.dtype) / extent
+    grid = jnp.clip(jnp.floor((pos - origin[None, :]) * scale[None, :]), 0, (1 << levels) - 1).astype(jnp.int32)
+    differ = jnp.bitwise_or.reduce(grid[1:] ^ grid[:-1], axis=1) if dim > 1 else grid[1:, 0] ^ grid[:-1, 0]
+    split = lax.clz(differ) - (32 - levels)  # common leading bits of all coordinates (levels if equal)
+    boundary = rows[1:] < num
+    hist = jnp.zeros((levels + 2,), jnp.int32).at[jnp.where(boundary, split, levels + 1)].add(1)
+    runs_at = 1 + jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(hist[:levels])])
+    level = jnp.sum(runs_at <= cells).astype(jnp.int32) - 1
+    new = jnp.concatenate([jnp.zeros((1,), bool), boundary & (split < level)])
+    run = jnp.where(valid, jnp.cumsum(new.astype(jnp.int32)), cells)
+    count = jnp.zeros((cells + 1,), jnp.int32).at[run].add(1)[:cells]
+    start = jnp.cumsum(count) - count
+    big = jnp.asarray(jnp.inf, pos.dtype)
+    lower = jax.ops.segment_min(jnp.where(valid[:, None], pos, big), run, cells + 1, indices_are_sorted=True)
+    upper = jax.ops.segment_max(jnp.where(valid[:, None], pos, -big), run, cells + 1, indices_are_sorted=True)
+    table = jnp.concatenate([lax.bitcast_convert_type(jnp.stack([start, count], axis=1), pos.dtype)
+                             if pos.dtype.itemsize == 4 else jnp.stack([start, count], axis=1).astype(pos.dtype),
+                             lower[:cells], upper[:cells]], axis=1)
+    table = allgather(table)  # (size, cells, 2 + 2d): one collective
+    ints = table[..., :2]
+    ints = lax.bitcast_convert_type(ints, jnp.int32) if pos.dtype.itemsize == 4 else ints.astype(jnp.int32)
+    return Pieces(ints[..., 0], ints[..., 1], table[..., 2:2 + dim], table[..., 2 + dim:])
 
 
 def _box_gap2(centre: jax.Array, half: jax.Array, other_centre: jax.Array, other_half: jax.Array,
@@ -70,53 +159,64 @@ def _box_gap2(centre: jax.Array, half: jax.Array, other_centre: jax.Array, other
     return jnp.sum(gap * gap, axis=-1)
 
 
-def exchange_ghosts(pos: jax.Array, ids: jax.Array, num: jax.Array, domain: Domain, linking_length: jax.Array,
-                    box: jax.Array | None, rank: Any, size: int, capacity: int) -> Halo:
-    """Send every own particle within the linking length of another device's cells to that device.
+def exchange_ghosts(pos: jax.Array, ids: jax.Array, pieces: Pieces, linking_length: jax.Array,
+                    box: jax.Array | None, rank: Any, size: int, capacity: int, chunk: int = 256) -> Halo:
+    """Send every own particle within the linking length of another device's piece (its cell boxes) there.
 
-    Only the other devices' cells within reach of one of this device's own cells are tested against the particles
-    (the few cells along the surface of this device's piece), one cell at a time.
+    Own cells are runs of rows (the particles are in z-order), so only the pairs of an own cell and another
+    device's cell within reach of it are tested, a ``chunk`` of the own cell's rows at a time: the work is the
+    particles near the surface of this device's piece times the few cells across it, not every particle times
+    every cell of the surface.
     """
-    n = pos.shape[0]
-    valid = jnp.arange(n, dtype=jnp.int32) < num
+    n, dim = pos.shape
     # A little slack: sending a far particle costs a row, missing a near one would cost a link.
     reach2 = (linking_length * (1 + 1e-4)) ** 2
-    occupied = domain.cell_count > 0  # (size, M)
-    lower = jnp.where(occupied[..., None], domain.cell_lower, 0).astype(pos.dtype)
-    upper = jnp.where(occupied[..., None], domain.cell_upper, 0).astype(pos.dtype)
+    occupied = pieces.count > 0  # (size, M)
+    lower = jnp.where(occupied[..., None], pieces.lower, 0).astype(pos.dtype)
+    upper = jnp.where(occupied[..., None], pieces.upper, 0).astype(pos.dtype)
     centre, half = 0.5 * (lower + upper), 0.5 * (upper - lower)
     cells = occupied.shape[1]
-    mine = jnp.arange(size, dtype=jnp.int32)[:, None] == rank
+    start = jnp.where(occupied[rank], pieces.start[rank], 0)
+    count = pieces.count[rank]
 
-    def touches(m: jax.Array, hit: jax.Array) -> jax.Array:
-        gap2 = _box_gap2(centre, half, centre[rank, m][None, None, :], half[rank, m][None, None, :], box)
-        return hit | (occupied[rank, m] & (gap2 <= reach2))
-
-    relevant = lax.fori_loop(0, cells, touches, vary_like(jnp.zeros(occupied.shape, bool), pos))
-    relevant = relevant & occupied & ~mine
-    (todo,) = jnp.nonzero(relevant.reshape(-1), size=size * cells, fill_value=0)
+    # (own cell, other device, its cell) within reach of each other.
+    gap2 = _box_gap2(centre[rank][:, None, None, :], half[rank][:, None, None, :], centre[None], half[None], box)
+    other = jnp.arange(size, dtype=jnp.int32)[None, :, None] != rank
+    pairs = (gap2 <= reach2) & occupied[rank][:, None, None] & occupied[None] & other
+    num_pairs = jnp.sum(pairs, dtype=jnp.int32)
+    (todo,) = jnp.nonzero(pairs.reshape(-1), size=pairs.size, fill_value=0)
     todo = todo.astype(jnp.int32)
+    mine, dest, theirs = todo // (size * cells), todo // cells % size, todo % cells
+    steps = jnp.where(jnp.arange(pairs.size) < num_pairs, (count[mine] + chunk - 1) // chunk, 0)
+    steps_end = jnp.cumsum(steps)
+    lanes = jnp.arange(chunk, dtype=jnp.int32)
+    pos_pad = jnp.concatenate([pos, jnp.zeros((chunk, dim), pos.dtype)])
 
-    def test_cell(i: jax.Array, near: jax.Array) -> jax.Array:
-        r, m = todo[i] // cells, todo[i] % cells
-        hit = _box_gap2(pos, jnp.zeros_like(pos), centre[r, m][None, :], half[r, m][None, :], box) <= reach2
-        row = lax.dynamic_index_in_dim(near, r, keepdims=False) | (valid & hit)
-        return lax.dynamic_update_index_in_dim(near, row, r, 0)
+    def test_chunk(t: jax.Array, near: jax.Array) -> jax.Array:
+        p = jnp.searchsorted(steps_end, t, side="right").astype(jnp.int32)
+        m, r, k = mine[p], dest[p], theirs[p]
+        first = start[m] + (t - (steps_end[p] - steps[p])) * chunk
+        rows = first + lanes
+        block = lax.dynamic_slice_in_dim(pos_pad, first, chunk)
+        hit = _box_gap2(block, jnp.zeros_like(block), centre[r, k][None, :], half[r, k][None, :], box) <= reach2
+        hit = hit & (rows < start[m] + count[m])
+        return near.at[jnp.where(hit, r * n + rows, size * n)].set(True, mode="drop")
 
-    near = lax.fori_loop(0, jnp.sum(relevant, dtype=jnp.int32), test_cell,
-                         vary_like(jnp.zeros((size, n), bool), pos))
+    near = lax.fori_loop(0, steps_end[-1], test_chunk, vary_like(jnp.zeros((size * n,), bool), pos))
+    near = near.reshape(size, n)
     per_dest = jnp.sum(near, axis=1, dtype=jnp.int32)
     send_num = jnp.sum(per_dest)
     (flat,) = jnp.nonzero(near.reshape(-1), size=capacity, fill_value=0)
     flat = flat.astype(jnp.int32)
     send_dest, send_row = flat // n, flat % n
-    tree = {"pos": pos[send_row], "ids": ids[send_row], "row": send_row,
-            "rank": jnp.full((capacity,), rank, jnp.int32)}
-    got, got_num, overflow = exchange_columns(tree, send_dest, num=jnp.minimum(send_num, capacity),
+    # Copies past the capacity are not sent (overflow); the counts say what went to each rank.
+    send_counts = jnp.clip(capacity - (jnp.cumsum(per_dest) - per_dest), 0, per_dest)
+    got, recv_counts, overflow = send_grouped({"pos": pos[send_row], "ids": ids[send_row]}, send_counts,
                                               capacity=capacity)
-    received = jnp.sum(alltoall(per_dest))
-    return Halo(send_row, send_dest, jnp.minimum(send_num, capacity), got["pos"], got["ids"], got["row"],
-                got["rank"], got_num, jnp.maximum(send_num, received), overflow | (send_num > capacity))
+    received = jnp.sum(recv_counts)
+    return Halo(send_row, send_dest, jnp.minimum(send_num, capacity), send_counts, got["pos"], got["ids"],
+                jnp.minimum(received, capacity), recv_counts, jnp.maximum(send_num, received),
+                overflow | (send_num > capacity))
 
 
 def segment_min_labels(labels: jax.Array, component: jax.Array) -> jax.Array:
@@ -126,19 +226,21 @@ def segment_min_labels(labels: jax.Array, component: jax.Array) -> jax.Array:
 
 
 def merge_labels(labels: jax.Array, component: jax.Array, halo: Halo, n: int, capacity: int) -> jax.Array:
-    """Settle labels across devices: `(n + h,)` labels of own rows then ghosts, minimum over each global group."""
+    """Settle labels across devices: `(n + h,)` labels of own rows then ghosts, minimum over each global group.
+
+    Each round sends the ghosts' labels back to their owners and the owners' labels out to their ghosts, along the
+    fixed routes of the ghost exchange (no sorting), with a minimum over each local component after each.
+    """
     ghost_valid = jnp.arange(capacity, dtype=jnp.int32) < halo.num
+    sent = jnp.arange(capacity, dtype=jnp.int32) < halo.send_num
 
     def step(state: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         labels, _ = state
         old = labels
-        back, back_num, _ = exchange_columns({"row": halo.src_row, "label": labels[n:]}, halo.src_rank,
-                                             num=halo.num, capacity=capacity)
-        live = jnp.arange(capacity, dtype=jnp.int32) < back_num
-        own = labels[:n].at[jnp.where(live, back["row"], n)].min(back["label"], mode="drop")
+        back, _, _ = send_grouped({"label": labels[n:]}, halo.recv_counts, capacity=capacity)
+        own = labels[:n].at[jnp.where(sent, halo.send_row, n)].min(back["label"], mode="drop")
         labels = segment_min_labels(jnp.concatenate([own, labels[n:]]), component)
-        fwd, _, _ = exchange_columns({"label": labels[:n][halo.send_row]}, halo.send_dest, num=halo.send_num,
-                                     capacity=capacity)
+        fwd, _, _ = send_grouped({"label": labels[:n][halo.send_row]}, halo.send_counts, capacity=capacity)
         ghosts = jnp.where(ghost_valid, jnp.minimum(labels[n:], fwd["label"]), INT_MAX)
         labels = segment_min_labels(jnp.concatenate([labels[:n], ghosts]), component)
         changed = allreduce(jnp.any(labels != old).astype(jnp.int32), "max")
@@ -170,12 +272,11 @@ def boundary_totals(parts: Partial, label: jax.Array, boundary: jax.Array, rank:
     send_num = jnp.sum(boundary, dtype=jnp.int32)
     (sel,) = jnp.nonzero(boundary, size=capacity, fill_value=0)
     sel = sel.astype(jnp.int32)
-    dest = label[sel] % size
-    tree = {"label": label[sel], "src": sel, "rank": jnp.full((capacity,), rank, jnp.int32),
-            **{f"p_{k}": v[sel] for k, v in parts._asdict().items()}}
-    got, got_num, overflow = exchange_columns(tree, dest, num=jnp.minimum(send_num, capacity), capacity=capacity)
-    per_dest = jnp.zeros((size,), jnp.int32).at[jnp.where(boundary, label % size, size)].add(1, mode="drop")
-    received = jnp.sum(alltoall(per_dest))
+    tree = {"label": label[sel], **{f"p_{k}": v[sel] for k, v in parts._asdict().items()}}
+    got, recv_counts, overflow, perm = exchange_columns(tree, label[sel] % size, num=jnp.minimum(send_num, capacity),
+                                                        size=size, capacity=capacity)
+    received = jnp.sum(recv_counts)
+    got_num = jnp.minimum(received, capacity)
     valid = jnp.arange(capacity, dtype=jnp.int32) < got_num
     got_label = jnp.where(valid, got["label"], INT_MAX)
     order = jnp.argsort(got_label, stable=True)
@@ -186,11 +287,10 @@ def boundary_totals(parts: Partial, label: jax.Array, boundary: jax.Array, rank:
     home = combine(pieces, segment, valid[order], capacity, box)
     home_first = jnp.arange(capacity) < jnp.sum(new & valid[order])
     home_label = jnp.full((capacity,), INT_MAX, jnp.int32).at[segment].min(sorted_label)
-    # Totals back to the senders of the pieces, along the reverse route.
+    # Totals back to the senders of the pieces along the reverse route: they arrive in the order sent (``perm``).
     total = jnp.zeros((capacity,), jnp.int32).at[order].set(home.count[segment])
-    back, back_num, back_overflow = exchange_columns({"src": got["src"], "count": total}, got["rank"],
-                                                     num=got_num, capacity=capacity)
-    live = jnp.arange(capacity, dtype=jnp.int32) < back_num
-    count = jnp.zeros((big,), jnp.int32).at[jnp.where(live, back["src"], big)].set(back["count"], mode="drop")
+    back, _, back_overflow = send_grouped({"count": total}, recv_counts, capacity=capacity)
+    live = jnp.arange(capacity, dtype=jnp.int32) < jnp.minimum(send_num, capacity)
+    count = jnp.zeros((big,), jnp.int32).at[jnp.where(live, sel[perm], big)].set(back["count"], mode="drop")
     needed = jnp.maximum(send_num, received)
     return count, home, home_label, home_first, needed, overflow | back_overflow | (send_num > capacity)

@@ -3,7 +3,9 @@
 Sort. Points are ordered by the row-major key of a cell grid whose cells are at least the linking length wide (so a
 point's friends lie in the ``3**d`` cells around its own) and small: about ``per_cell = 0.25`` points per cell, at
 most ``table`` cells per point row. A table of the first sorted row of every cell comes from a count per cell and a
-cumulative sum; the points are placed by a counting sort (:func:`sort_points`).
+cumulative sum; the points are placed by a counting sort (:func:`sort_points`). On several devices the grid
+covers one device's piece and its ghosts (:func:`piece_space`), open on the axes where the piece does not wrap the
+periodic box.
 
 Pairs. Each point's candidates are a few runs of the sorted points, read from the table: the rest of its own cell
 and the next cell of its own row, and the cells ``x - 1 .. x + 1`` of the "forward" half of the neighbouring rows
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..core._vary import vary_like
-from ._grid import Domain, Grid, cell_coords, cell_keys
+from ._grid import Domain, Grid, cell_coords, cell_keys, open_domain
 
 # Cell keys are int32: the product of the cell counts must stay below 2**31.
 _MAX_CELLS = {2: 2**15 - 1, 3: 2**10 - 1}
@@ -55,6 +57,80 @@ class Links(NamedTuple):
     num_edges: jax.Array  # int32 pairs found (may exceed edge_capacity: overflow)
 
 
+class LinkSpace(NamedTuple):
+    """Where the link grid lies, and how distances are measured.
+
+    ``lo (d,)`` and ``extent (d,)`` bound the grid; on the axes marked in ``wrap (d,)`` (traced bool) the grid is
+    periodic (``lo = 0``, ``extent = box``; the cells at both ends are neighbours), elsewhere it is open. ``box (d,)``
+    is the periodic box of the distances (minimum image on every axis), or None for open boundaries (static).
+    Grid coordinates may differ from the positions whose distances are measured: a device's piece of a periodic
+    box is gridded in coordinates unwrapped next to it (see :func:`piece_space`).
+    """
+
+    lo: jax.Array
+    extent: jax.Array
+    wrap: jax.Array
+    box: jax.Array | None
+
+    @property
+    def domain(self) -> Domain:
+        """The grid geometry as a :class:`_grid.Domain` (``periodic``: some axis may wrap)."""
+        return Domain(self.lo, self.extent, self.box is not None)
+
+
+def whole_space(pos: jax.Array, valid: jax.Array, box: jax.Array | None) -> LinkSpace:
+    """The periodic ``box`` on every axis, or the bounding box of the valid rows of ``pos`` without one."""
+    if box is None:
+        bounds = open_domain(pos, valid)
+        return LinkSpace(bounds.lo, bounds.extent, jnp.zeros(bounds.lo.shape, bool), None)
+    return LinkSpace(jnp.zeros_like(box), box, jnp.ones(box.shape, bool), box)
+
+
+def _widest_gap_middle(lower: jax.Array, upper: jax.Array, occupied: jax.Array, box: jax.Array) -> jax.Array:
+    """Per axis, the middle of the widest circular gap between the intervals ``[lower, upper]`` `(m, d)` of the
+    occupied rows `(m,)` in ``[0, box)``."""
+    big = jnp.asarray(jnp.inf, lower.dtype)
+    lo = jnp.where(occupied[:, None], lower, big)
+    order = jnp.argsort(lo, axis=0)
+    lo = jnp.take_along_axis(lo, order, axis=0)
+    hi = lax.cummax(jnp.take_along_axis(jnp.where(occupied[:, None], upper, -big), order, axis=0), axis=0)
+    live = occupied.sum() - 1 > jnp.arange(lo.shape[0] - 1)  # gap between sorted intervals i and i + 1
+    inner = jnp.where(live[:, None], lo[1:] - hi[:-1], -big)
+    around = lo[0] + box - hi[-1]  # across the box edge
+    best = jnp.argmax(inner, axis=0)
+    inner_best = jnp.take_along_axis(inner, best[None], axis=0)[0]
+    middle_inner = 0.5 * (jnp.take_along_axis(hi, best[None], axis=0)[0] + jnp.take_along_axis(lo, best[None] + 1,
+                                                                                                axis=0)[0])
+    middle_around = hi[-1] + 0.5 * around
+    middle = jnp.where(inner_best > around, middle_inner, middle_around)
+    middle = middle - box * jnp.floor(middle / box)
+    return jnp.where(jnp.isfinite(middle), middle, jnp.zeros_like(middle))
+
+
+def piece_space(pos: jax.Array, valid: jax.Array, box: jax.Array, linking_length: jax.Array, lower: jax.Array,
+                upper: jax.Array, occupied: jax.Array) -> tuple[LinkSpace, jax.Array]:
+    """An open grid over one device's piece of a periodic box (with its ghosts), periodic only where it must be.
+
+    On each axis the positions `(n, d)` (in ``[0, box)``) are unwrapped across a cut in the widest gap between the
+    piece's cell boxes ``[lower, upper]`` `(m, d)` (occupied rows `(m,)`), so a piece touching both ends of the
+    box lies in one interval. Where the unwrapped points span less than ``box - linking_length`` (with a margin
+    for rounding), two friends are also within the linking length in unwrapped coordinates, so the grid over their
+    bounding box need not wrap; elsewhere the axis keeps the periodic grid over the whole box.
+
+    Returns:
+        ``(space, grid_pos)``: the space (its ``box`` is the periodic box: distances stay minimum-image in the
+        given positions) and the positions `(n, d)` to grid.
+    """
+    cut = _widest_gap_middle(lower, upper, occupied, box)
+    unwrapped = jnp.where(pos < cut[None, :], pos + box[None, :], pos)
+    bounds = open_domain(unwrapped, valid)
+    slack = 1e-3 * linking_length + 16 * jnp.finfo(pos.dtype).eps * box
+    wrap = bounds.extent > box - linking_length - slack
+    lo = jnp.where(wrap, jnp.zeros_like(bounds.lo), bounds.lo)
+    extent = jnp.where(wrap, box, bounds.extent)
+    return LinkSpace(lo, extent, wrap, box), jnp.where(wrap[None, :], pos, unwrapped)
+
+
 class SortedPoints(NamedTuple):
     """Valid points sorted by cell key (padding last): keys `(n,)` (``table_cells`` for padding), original rows
     `(n,)`, positions `(n, d)`, cell coordinates `(n, d)`, and ``starts (table_cells + 1,)``: the first sorted row
@@ -67,21 +143,25 @@ class SortedPoints(NamedTuple):
     starts: jax.Array
 
 
-def link_grid(domain: Domain, num: jax.Array, linking_length: jax.Array, per_cell: float, max_cells: int,
+def link_grid(space: LinkSpace, num: jax.Array, linking_length: jax.Array, per_cell: float, max_cells: int,
               volume: jax.Array | None = None) -> Grid:
-    """A grid of about ``per_cell`` points per cell, cells never narrower than the linking length, at most
-    ``max_cells`` cells (static: the size of the cell-start table of :func:`find_links`).
+    """A grid of about ``per_cell`` points per cell, cells wider than the linking length, at most ``max_cells`` cells
+    (static: the size of the cell-start table of :func:`find_links`).
 
-    ``volume`` is the volume the ``num`` points occupy (default: the whole domain); a device holding a small piece
-    of a periodic box sizes its cells by its own piece while the grid still spans the box.
+    ``volume`` is the volume the ``num`` points occupy (default: the whole space); a device holding a small piece
+    of a periodic axis sizes its cells by its own piece while the grid still spans the box there.
     """
-    dim = domain.extent.shape[0]
-    ext = jnp.maximum(domain.extent, jnp.max(domain.extent) * 1e-6).astype(jnp.float32)
+    dim = space.extent.shape[0]
+    ext = jnp.maximum(space.extent, jnp.max(space.extent) * 1e-6).astype(jnp.float32)
     whole = jnp.prod(ext)
     volume = whole if volume is None else jnp.clip(volume.astype(jnp.float32), 1e-30, whole)
     side = (volume * per_cell / jnp.maximum(num, 1).astype(jnp.float32)) ** (1.0 / dim)
     side = jnp.maximum(side, (whole / max_cells) ** (1.0 / dim))
-    side = jnp.maximum(side, linking_length.astype(jnp.float32))
+    # Wider than the linking length by a few rounding errors of the cell assignment: friends are never two cells
+    # apart.
+    reach = jnp.abs(space.lo) + space.extent
+    slack = 16 * jnp.finfo(space.extent.dtype).eps * jnp.max(reach)
+    side = jnp.maximum(side, (linking_length * (1 + 2.0**-12) + slack).astype(jnp.float32))
     cells = jnp.clip(jnp.floor(ext / side), 1, _MAX_CELLS[dim]).astype(jnp.int32)
 
     # Rounding may leave a few cells too many: shrink the longest axis until the table holds them all.
@@ -94,7 +174,7 @@ def link_grid(domain: Domain, num: jax.Array, linking_length: jax.Array, per_cel
 
     cells = lax.while_loop(too_many, shrink, cells)
     stride = jnp.concatenate([jnp.ones((1,), jnp.int32), jnp.cumprod(cells)[:-1]])
-    return Grid(cells, domain.extent / cells.astype(domain.extent.dtype), stride)
+    return Grid(cells, space.extent / cells.astype(space.extent.dtype), stride)
 
 
 def _cumsum(x: jax.Array, width: int = 128) -> jax.Array:
@@ -107,10 +187,11 @@ def _cumsum(x: jax.Array, width: int = 128) -> jax.Array:
     return (within + before[:, None]).reshape(-1)[:n]
 
 
-def sort_points(pos: jax.Array, valid: jax.Array, domain: Domain, grid: Grid, table_cells: int,
-                rounds: int = DEFAULT_TUNING.rank_rounds) -> SortedPoints:
+def sort_points(pos: jax.Array, valid: jax.Array, space: LinkSpace, grid: Grid, table_cells: int,
+                rounds: int = DEFAULT_TUNING.rank_rounds, grid_pos: jax.Array | None = None) -> SortedPoints:
     """Valid rows of ``pos`` sorted by cell key (order within a cell unspecified), on a grid of at most
-    ``table_cells`` cells.
+    ``table_cells`` cells. Cells are those of ``grid_pos`` (default ``pos``): the positions unwrapped for the grid
+    (:func:`piece_space`), while ``pos`` keeps the coordinates the distances are measured in.
 
     A counting sort: a point goes to the first row of its cell plus its rank within the cell. Ranks are dealt out
     in rounds (each round, the largest row still waiting in each cell takes the next rank), a round per point of
@@ -120,7 +201,7 @@ def sort_points(pos: jax.Array, valid: jax.Array, domain: Domain, grid: Grid, ta
     """
     n = pos.shape[0]
     idx = jnp.arange(n, dtype=jnp.int32)
-    coords = cell_coords(pos, domain, grid)
+    coords = cell_coords(pos if grid_pos is None else grid_pos, space.domain, grid)
     keys = jnp.where(valid, cell_keys(coords, grid), table_cells)
     counts = jnp.zeros((table_cells + 1,), jnp.int32).at[keys].add(1)
     starts = _cumsum(counts) - counts  # exclusive: starts[table_cells] = number of valid points
@@ -168,14 +249,14 @@ def sort_points(pos: jax.Array, valid: jax.Array, domain: Domain, grid: Grid, ta
     return SortedPoints(keys[rows], rows, pos[rows], coords[rows], starts)
 
 
-def dist2(a: jax.Array, b: jax.Array, domain: Domain) -> jax.Array:
-    """Squared distances `(..., A, B)` between `a: (..., A, d)` and `b: (..., B, d)` (minimum image if periodic)."""
+def dist2(a: jax.Array, b: jax.Array, box: jax.Array | None) -> jax.Array:
+    """Squared distances `(..., A, B)` between `a: (..., A, d)` and `b: (..., B, d)` (minimum image in a periodic
+    ``box (d,)``)."""
     total = None
     for axis in range(a.shape[-1]):
         dx = a[..., :, None, axis] - b[..., None, :, axis]
-        if domain.periodic:
-            box = domain.extent[axis]
-            dx = dx - box * jnp.round(dx * (1 / box))
+        if box is not None:
+            dx = dx - box[axis] * jnp.round(dx * (1 / box[axis]))
         total = dx * dx if total is None else total + dx * dx
     assert total is not None
     return total
@@ -189,20 +270,23 @@ def _forward_rows(dim: int) -> list[tuple[int, ...]]:
 
 
 def _runs(points: SortedPoints, num: jax.Array, starts: jax.Array, grid: Grid,
-          periodic: bool) -> tuple[jax.Array, jax.Array]:
+          space: LinkSpace) -> tuple[jax.Array, jax.Array]:
     """Start and length `(n, R)` of every run of forward candidates of each sorted point.
 
     Own row: the points after this one in its own cell and the next cell (and, periodic, cell 0 after the last
     cell). Forward rows (half of the neighbouring rows): cells ``x - 1 .. x + 1`` of the row (periodic: the cell
     on the other side of the box as a second run). Every pair closer than a cell width is in exactly one point's
     runs, except on axes of two cells, where the two neighbours coincide (a pair found twice does not matter).
+    Wrapping is per axis (``space.wrap``, traced): a space that may wrap (``space.box``) has the same runs whatever
+    mix of open and periodic axes it has, so one compiled search serves them all.
     """
+    periodic = space.box is not None
     n, dim = points.coords.shape
     idx = jnp.arange(n, dtype=jnp.int32)
     cx = points.coords[:, 0]
     gx = grid.cells[0]
     live = idx < num
-    wrap_ok = periodic & (gx >= 3)
+    wrap_ok = space.wrap[0] & (gx >= 3)
     run_start, run_len = [], []
 
     def add(lo: jax.Array, hi: jax.Array, ok: jax.Array) -> None:
@@ -215,12 +299,14 @@ def _runs(points: SortedPoints, num: jax.Array, starts: jax.Array, grid: Grid,
         for axis, off in enumerate(offset, start=1):
             g = grid.cells[axis]
             c = points.coords[:, axis] + off
+            inside = (c >= 0) & (c < g)
             if periodic:
                 # On an axis of one cell every offset is the row itself, which offset 0 already covers.
-                ok = ok & ((g >= 2) | (off == 0))
-                c = jnp.mod(c, g)
+                wraps = space.wrap[axis]
+                ok = ok & jnp.where(wraps, (g >= 2) | (off == 0), inside)
+                c = jnp.where(wraps, jnp.mod(c, g), c)
             else:
-                ok = ok & (c >= 0) & (c < g)
+                ok = ok & inside
             base = base + c * grid.stride[axis]
         hi = starts[base + jnp.minimum(cx + 1, gx - 1) + 1]
         if r == 0:
@@ -235,7 +321,7 @@ def _runs(points: SortedPoints, num: jax.Array, starts: jax.Array, grid: Grid,
     return jnp.stack(run_start, axis=1), jnp.stack(run_len, axis=1)
 
 
-def find_links(points: SortedPoints, num: jax.Array, linking_length: jax.Array, domain: Domain, grid: Grid, *,
+def find_links(points: SortedPoints, num: jax.Array, linking_length: jax.Array, space: LinkSpace, grid: Grid, *,
                edge_capacity: int, tuning: Tuning = DEFAULT_TUNING) -> Links:
     """All pairs of the first ``num`` sorted points closer than (or at) the linking length, each pair at least once.
 
@@ -248,7 +334,7 @@ def find_links(points: SortedPoints, num: jax.Array, linking_length: jax.Array, 
         points: points sorted on ``grid`` (:func:`sort_points`).
         num: number of valid points.
         linking_length: scalar linking length (at most the cell width of ``grid``).
-        domain: the domain of ``grid``.
+        space: the space of ``grid``.
         grid: a grid from :func:`link_grid`.
         edge_capacity: length of the edge list (static).
         tuning: static sizes of the search.
@@ -259,7 +345,7 @@ def find_links(points: SortedPoints, num: jax.Array, linking_length: jax.Array, 
     n = points.pos.shape[0]
     slots = tuning.slots
     ll2 = (linking_length * linking_length).astype(points.pos.dtype)
-    run_start, run_len = _runs(points, num, points.starts, grid, domain.periodic)
+    run_start, run_len = _runs(points, num, points.starts, grid, space)
     run_end = jnp.cumsum(run_len, axis=1)  # (n, R) candidate numbers within the point, end of each run
     total = run_end[:, -1]
     point_end = jnp.cumsum(total)  # (n,) inclusive
@@ -292,7 +378,7 @@ def find_links(points: SortedPoints, num: jax.Array, linking_length: jax.Array, 
         which = jnp.minimum(jnp.sum(k[:, None] >= row[:, :num_runs], axis=1, dtype=jnp.int32), num_runs - 1)
         cj = jnp.take_along_axis(row[:, num_runs:], which[:, None], axis=1)[:, 0] + k
         cj = jnp.where(live, cj, 0)
-        d2 = dist2(points.pos[qi][:, None, :], points.pos[cj][:, None, :], domain)[:, 0, 0]
+        d2 = dist2(points.pos[qi][:, None, :], points.pos[cj][:, None, :], space.box)[:, 0, 0]
         hit = live & (d2 <= ll2)
         at = jnp.where(hit, count + jnp.cumsum(hit.astype(jnp.int32)) - 1, edge_capacity)
         first_out = first_out.at[at].set(qi, mode="drop")
