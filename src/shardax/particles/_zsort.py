@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._errors import CapacityError
 from ..comm import allgather, allreduce, scan
+from ..comm._alltoallv import default_chunk
 from ..core import ALL, rank_info, smap
 from ._domain import Domain, domain_of
 from ._morton import Box, KeyBox, key_box, morton_key, periodic_box, wrap
@@ -204,7 +205,8 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
     src_offsets = jnp.cumsum(from_src) - from_src
     kept_from = jnp.clip(cap - src_offsets, 0, from_src)
     sent_at = jnp.cumsum(send) - send
-    (back,), _ = send_rows([place], kept_from, n, recv_at=sent_at, init=[_minus_ones(n, place[0])])
+    (back,), _ = send_rows([place], kept_from, n, recv_at=sent_at, init=[_minus_ones(n, place[0])],
+                          chunk=4 * default_chunk(cap, size))  # one int32 a row: fewer, larger rounds cost little
     dev, row = _device_and_row(back, first)
     placed = (rows < num) & (back >= 0)
     final_send = jnp.zeros((size + 1,), jnp.int32).at[jnp.where(placed, dev, size)].add(1)[:size]
