@@ -196,6 +196,26 @@ def test_recursive_diagonal_blocks(dtype):
     assert np.isnan(np.asarray(factor)).all()
 
 
+def test_solver_library_path(monkeypatch):
+    """The path GPUs take (cuSOLVER-style potrf + triangular solve per diagonal block), forced on CPU devices: the
+    same factor, solution and ``info`` as the matrix-product path."""
+    from shardax.linalg import _potrf
+
+    monkeypatch.setattr(_potrf, "solver_library", lambda: True)
+    mesh = make_mesh((2,))
+    n, tile = 90, 16
+    with jax.enable_x64(True):
+        a = hpd(n, np.float64, seed=13)
+        ad = put(a, mesh, "cols")
+        close(sx.linalg.potrf(ad, tile=tile), np.linalg.cholesky(a), np.float64)
+        b = rhs(n, 2, np.float64)
+        close(sx.linalg.potrs(ad, jnp.asarray(b), tile=tile), sl.cho_solve(sl.cho_factor(a), b), np.float64)
+        a[40, 40] = -1.0
+        factor, status = sx.linalg.potrf(put(a, mesh, "cols"), tile=tile, return_status=True)
+    assert int(status) == first_bad_minor(a) == 41
+    assert np.isnan(np.asarray(factor)).all()
+
+
 def test_only_lower_triangle_is_read():
     mesh = make_mesh((4,))
     n = 24
