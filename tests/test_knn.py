@@ -132,6 +132,7 @@ def test_large_k() -> None:
     res = jitted(64, 1.0)(jnp.asarray(pos))
     ref_d, ref_i = ref_knn(pos, 64, 1.0)
     check_against(np.asarray(res.distances), np.asarray(res.indices), ref_d, ref_i, np.float32)
+    assert res.indices.shape == (1500, 64) and np.all(np.diff(np.asarray(res.distances), axis=1) >= 0)
 
 
 def test_float64() -> None:

@@ -222,6 +222,7 @@ def test_only_lower_triangle_is_read():
     a = hpd(n, np.float32, seed=8)
     garbage = np.tril(a) + np.triu(np.full((n, n), 7.0, np.float32), 1)
     b = jnp.ones((n, 1), jnp.float32)
+    assert not np.allclose(garbage, garbage.T)  # the upper triangle really is garbage
     close(sx.linalg.potrs(put(garbage, mesh, "cols"), b, tile=4), np.linalg.solve(a, np.ones((n, 1))), np.float32)
     close(sx.linalg.syevd(put(garbage, mesh, "cols"), return_eigenvectors=False), np.linalg.eigvalsh(a),
           np.float32, scale=10.0)
@@ -272,6 +273,8 @@ def test_gradients(shape, dtype):
         check_grads(lambda a, b: sx.linalg.potrs(a, b, tile=3, mesh=mesh), (a, b), order=1, modes=["rev"])
         check_grads(lambda a: sx.linalg.potrs(a, b, tile=3, mesh=mesh, return_logdet=True)[1], (a,), order=1,
                     modes=["rev"])
+        logdet = sx.linalg.potrs(a, b, tile=3, mesh=mesh, return_logdet=True)[1]
+    assert np.isclose(float(logdet), np.linalg.slogdet(np.asarray(a))[1], rtol=1e-10)
 
 
 def test_local_view_runs_without_mesh():
@@ -311,6 +314,7 @@ def test_syevd_degenerate_spectrum():
     a = np.eye(n, dtype=np.float32) * 2 + np.outer(u, u) / n
     w, v = sx.linalg.syevd(put(a, mesh, "cols"))
     check_eigh(a, w, v, np.float32)
+    assert np.sum(np.isclose(np.asarray(w), 2.0, atol=1e-4)) == n - 1  # the (n - 1)-fold eigenvalue 2
 
 
 def with_spectrum(w: np.ndarray, dtype, seed: int = 0) -> np.ndarray:

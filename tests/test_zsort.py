@@ -9,7 +9,7 @@ import conftest: the multi-process children import it by path and must keep the 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -149,7 +149,7 @@ def run_cases(mesh: Mesh) -> list[str]:
     return done
 
 
-def check_domain(mesh: Mesh) -> None:
+def check_domain(mesh: Mesh) -> Any:
     """The Domain describes the sorted result: counts, key ranges, boxes and top-level cells."""
     rng = np.random.default_rng(3)
     ndev = mesh.devices.size
@@ -179,6 +179,7 @@ def check_domain(mesh: Mesh) -> None:
             np.testing.assert_array_equal(chi[r, c], rows.max(0))
         if r + 1 < ndev:
             assert (int(last[r, 0]), int(last[r, 1])) <= (int(first[r + 1, 0]), int(first[r + 1, 1]))
+    return dom
 
 
 def check_overflow(mesh: Mesh) -> None:
@@ -223,7 +224,8 @@ def test_zsort_matches_numpy(mesh: Mesh) -> None:
 
 @pytest.mark.parametrize("shape", [(1,), (8,), (2, 2)], ids=str)
 def test_zsort_domain(shape: tuple[int, ...]) -> None:
-    check_domain(make_mesh(shape))
+    dom = check_domain(make_mesh(shape))
+    assert int(np.sum(np.asarray(dom.cell_count))) == N  # every particle in exactly one top-level cell
 
 
 @pytest.mark.parametrize("shape", [(1,), (2, 4)], ids=str)
