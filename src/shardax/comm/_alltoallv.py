@@ -190,6 +190,22 @@ def _ragged(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: ja
     return outs
 
 
+def group_by_rank(key: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """``(perm, counts)``: rows grouped by ``key`` (`(n,)` int in ``[0, size]``, ``size`` for rows not sent), each
+    group in row order, and the rows for each of the ``size`` ranks.
+
+    One sort of a single int32 word ``key * n + row`` (XLA:CPU sorts one operand several times faster than a key
+    with a payload); a stable argsort when that word would overflow.
+    """
+    n = key.shape[0]
+    counts = jnp.zeros((size + 1,), jnp.int32).at[key].add(1)[:size]
+    if (size + 1) * n < 2**31:
+        perm = lax.sort(key.astype(jnp.int32) * n + jnp.arange(n, dtype=jnp.int32)) % n
+    else:
+        perm = jnp.argsort(key, stable=True).astype(jnp.int32)
+    return perm, counts
+
+
 def alltoallv_many(arrays: Sequence[jax.Array], send_counts: jax.Array, capacity: int, axes: tuple[str, ...],
                     impl: Impl, chunk: int | None, *, perm: jax.Array | None = None, recv_at: jax.Array | None = None,
                     init: Sequence[jax.Array] | None = None, target: jax.Array | None = None,
@@ -333,9 +349,7 @@ def exchange(tree: Any, dest: jax.Array, *, num: jax.Array | int, capacity: int,
     valid = rows < num
     dest = dest.astype(jnp.int32)
     bad = valid & ((dest < 0) | (dest >= size))
-    key = jnp.where(valid & ~bad, dest, size)
-    order = jnp.argsort(key, stable=True)
-    send_counts = jnp.bincount(key, length=size + 1)[:size].astype(jnp.int32)
+    order, send_counts = group_by_rank(jnp.where(valid & ~bad, dest, size), size)
     leaves, treedef = jax.tree.flatten(tree)
     moving = [i for i, leaf in enumerate(leaves) if jnp.ndim(leaf) >= 1 and jnp.shape(leaf)[0] == n]
     arrays = [jnp.asarray(leaves[i]) for i in moving]

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..comm import allgather, allreduce
-from ..comm._alltoallv import alltoallv_many
+from ..comm._alltoallv import alltoallv_many, group_by_rank
 from ..core._rank import resolve_axes
 from ..core._vary import vary_like
 from ._catalogue import Partial, combine, min_image
@@ -66,41 +66,14 @@ def send_grouped(columns: dict[str, jax.Array], counts: jax.Array, *, capacity: 
     """Send rows already grouped by destination rank (``counts (size,)`` rows for each rank, in rank order; or
     row ``perm[i]`` as the ``i``-th) to their ranks.
 
-    Columns of 32-bit dtypes travel packed into one int32 array (bit-exact, one collective per round); others as
-    they are. Returns ``(columns, recv_counts, overflow)``: ``capacity`` rows grouped by source rank, each source's
-    rows in the order they were sent.
+    One ``alltoallv`` for all columns (it packs the 4- and 8-byte ones into one block per round). Returns
+    ``(columns, recv_counts, overflow)``: ``capacity`` rows grouped by source rank, each source's rows in the order
+    they were sent.
     """
     names = list(columns)
-    arrays = [columns[k] for k in names]
-    axes = resolve_axes(None)
-    if not all(jnp.dtype(a.dtype).itemsize == 4 for a in arrays):
-        outs, recv_counts, overflow = alltoallv_many(arrays, counts, capacity, axes, "auto", None, perm=perm)
-        return dict(zip(names, outs, strict=True)), recv_counts, overflow
-    n = arrays[0].shape[0]
-    packed = jnp.concatenate([lax.bitcast_convert_type(a, jnp.int32).reshape(n, -1) for a in arrays], axis=1)
-    (got,), recv_counts, overflow = alltoallv_many([packed], counts, capacity, axes, "auto", None, perm=perm)
-    out, at = {}, 0
-    for name, a in zip(names, arrays, strict=True):
-        width = 1 if a.ndim == 1 else a.shape[1]
-        col = got[:, at:at + width].reshape((capacity, *a.shape[1:]))
-        out[name] = lax.bitcast_convert_type(col, a.dtype)
-        at += width
-    return out, recv_counts, overflow
-
-
-def route(dest: jax.Array, num: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
-    """``(perm, counts)``: the first ``num`` rows grouped by ``dest`` (each group in row order) and the rows per
-    rank. One sort of a single int32 key (``dest * n + row``; XLA:CPU sorts one operand several times faster than
-    a key with a payload)."""
-    n = dest.shape[0]
-    rows = jnp.arange(n, dtype=jnp.int32)
-    key = jnp.where(rows < num, dest, size)
-    counts = jnp.zeros((size + 1,), jnp.int32).at[key].add(1)[:size]
-    if (size + 1) * n < 2**31:
-        perm = lax.sort(key * n + rows) % n
-    else:
-        perm = jnp.argsort(key, stable=True).astype(jnp.int32)
-    return perm, counts
+    outs, recv_counts, overflow = alltoallv_many([columns[k] for k in names], counts, capacity, resolve_axes(None),
+                                                 "auto", None, perm=perm)
+    return dict(zip(names, outs, strict=True)), recv_counts, overflow
 
 
 def exchange_columns(columns: dict[str, jax.Array], dest: jax.Array, *, num: jax.Array, size: int,
@@ -110,7 +83,8 @@ def exchange_columns(columns: dict[str, jax.Array], dest: jax.Array, *, num: jax
     Returns ``(columns, recv_counts, overflow, perm)``: as :func:`send_grouped`, and the order the rows were sent
     in (what comes back along the reverse route, ``send_grouped(..., recv_counts)``, lines up with ``perm``).
     """
-    perm, counts = route(dest, num, size)
+    rows = jnp.arange(dest.shape[0], dtype=jnp.int32)
+    perm, counts = group_by_rank(jnp.where(rows < num, dest, size), size)
     out, recv_counts, overflow = send_grouped(columns, counts, capacity=capacity, perm=perm)
     return out, recv_counts, overflow, perm
 
