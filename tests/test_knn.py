@@ -297,3 +297,17 @@ def test_two_processes() -> None:
     # The same answer on both processes, and the same as in this process on one device.
     np.testing.assert_array_equal(results[0][0], results[1][0])
     np.testing.assert_array_equal(results[0][0], np.asarray(jitted(9, box)(jnp.asarray(pos)).indices))
+
+
+def test_periodic_wrap_of_extreme_coordinates() -> None:
+    """Coordinates near the float32 maximum in a box below 1: the wrap ``x - box * floor(x / box)`` overflowed to
+    -inf (``x / box`` is inf), so these points had no finite neighbour. They wrap exactly, like np.mod."""
+    big = np.finfo(np.float32).max
+    pos = np.random.default_rng(0).choice([-big, -1.0, 0.0, 1.0, big], (16, 3)).astype(np.float32)
+    box = np.array([1.0, 2.0, 0.5])
+    res = knn(jnp.asarray(pos), 4, box=tuple(box))
+    wrapped = np.mod(pos.astype(np.float64), box)
+    delta = np.abs(wrapped[:, None] - wrapped[None])
+    want = np.sort(np.sqrt((np.minimum(delta, box - delta) ** 2).sum(-1)), axis=1)[:, :4]
+    assert np.all(np.isfinite(np.asarray(res.distances)))
+    np.testing.assert_allclose(np.asarray(res.distances), want, atol=1e-6)

@@ -57,7 +57,10 @@ def wrap(pos: jax.Array, domain: Domain) -> jax.Array:
     if not domain.periodic:
         return pos
     box = domain.extent[None, :]
-    return pos - box * jnp.floor(pos / box)
+    # An exact remainder: ``pos - box * floor(pos / box)`` overflows to -inf once ``pos / box`` does (|pos| near the
+    # float32 maximum and a box below 1).
+    rel = jnp.mod(pos, box)
+    return jnp.where(rel >= box, rel - box, rel)  # mod of a tiny negative can round up to box
 
 
 def make_grid(domain: Domain, num: jax.Array, per_cell: float, level: jax.Array) -> Grid:
