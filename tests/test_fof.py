@@ -150,6 +150,23 @@ def test_search_corner_cases(case: str) -> None:
     assert (groups >= 2).sum() >= 2 or (want == -1).any()
 
 
+def test_open_extreme_coordinates_with_padding() -> None:
+    """Coordinates of both signs near the float32 maximum, with padding rows: the bounding box's span overflowed
+    to inf, the link grid got no cells, and valid points fell into the padding bucket (labelled as one group)."""
+    big = np.finfo(np.float32).max
+    values = np.array([-big, -big / 2, -1.0, 0.0, 0.01, 1.0, big / 3, big], np.float32)
+    for seed, num in ((0, 2), (1, 9), (2, 16)):
+        rng = np.random.default_rng(seed)
+        pos = rng.choice(values, (16, 3)).astype(np.float32)
+        if num > 2:
+            pos[num - 1] = pos[0] + np.float32(0.01)  # one group, the other points alone
+        pos[num:] = 0.0
+        res = fof(Particles(pos=jnp.asarray(pos), num=jnp.int32(num)), 0.05, min_members=2)
+        want = reference_labels(pos[:num], 0.05, None, 2)
+        np.testing.assert_array_equal(np.asarray(res.labels)[:num], want)
+        assert (want == -1).any() and (want >= 0).any() == (num > 2)
+
+
 def test_all_duplicates() -> None:
     pos = np.full((64, 3), 0.25, np.float32)
     data = {"pos": pos, "vel": None, "mass": None, "linking_length": 0.01, "box": 1.0}

@@ -36,15 +36,20 @@ class Grid(NamedTuple):
 
 
 def open_domain(pos: jax.Array, valid: jax.Array) -> Domain:
-    """The bounding box of the valid rows of ``pos`` (`(n, d)`), slightly enlarged so every point is inside."""
+    """The bounding box of the valid rows of ``pos`` (`(n, d)`), slightly enlarged so every point is inside.
+
+    The box stays finite: where the points span more than the largest float (coordinates of both signs near it),
+    ``lo`` and ``extent`` are clamped to it, and :func:`cell_coords` clips the points past the far edge into the
+    last cell (cells are then far wider than any linking length, so no neighbour is missed).
+    """
     big = jnp.asarray(jnp.finfo(pos.dtype).max, pos.dtype)
     lo = jnp.min(jnp.where(valid[:, None], pos, big), axis=0)
     hi = jnp.max(jnp.where(valid[:, None], pos, -big), axis=0)
     lo = jnp.where(hi >= lo, lo, jnp.zeros_like(lo))
     hi = jnp.where(hi >= lo, hi, jnp.ones_like(hi))
-    span = hi - lo
+    span = jnp.minimum(hi - lo, big)  # hi - lo overflows to inf for coordinates of both signs near the maximum
     pad = jnp.maximum(span, jnp.max(span)) * jnp.asarray(1e-5, pos.dtype) + jnp.asarray(1e-30, pos.dtype)
-    return Domain(lo - pad, span + 2 * pad, periodic=False)
+    return Domain(jnp.maximum(lo - pad, -big), jnp.minimum(span + 2 * pad, big), periodic=False)
 
 
 def periodic_domain(box: jax.Array) -> Domain:
@@ -77,8 +82,10 @@ def make_grid(domain: Domain, num: jax.Array, per_cell: float, level: jax.Array)
 
 def cell_coords(pos: jax.Array, domain: Domain, grid: Grid) -> jax.Array:
     """Integer cell coordinates `(n, d)` of positions `(n, d)` (clipped into the grid)."""
-    c = jnp.floor((pos - domain.lo[None, :]) / grid.size[None, :]).astype(jnp.int32)
-    return jnp.clip(c, 0, grid.cells[None, :] - 1)
+    # Clipped before the conversion: a point past a clamped open domain's edge (see :func:`open_domain`) is at an
+    # infinite cell coordinate, whose conversion to an integer is not defined on every backend.
+    c = jnp.floor((pos - domain.lo[None, :]) / grid.size[None, :])
+    return jnp.clip(c, 0, (grid.cells[None, :] - 1).astype(c.dtype)).astype(jnp.int32)
 
 
 def cell_keys(coords: jax.Array, grid: Grid) -> jax.Array:
