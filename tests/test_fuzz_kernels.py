@@ -298,6 +298,8 @@ def test_knn_local_fuzz(kind, seed, num, poison, box, fault, pick):
     names = k_errors(k, N_LOCAL, valid) | ({"box"} if fault == "box" else {"part"} if fault == "part" else set())
     if poison in ("nan", "inf") and valid:
         names.add("part")
+    if not 0 <= num <= N_LOCAL:
+        names.add("num")  # a concrete count outside [0, n] is refused (traced ones are clipped)
     res = expect(lambda: knn(part, k, box=box), names)
     if res is None:
         return
@@ -373,6 +375,8 @@ def test_fof_local_fuzz(kind, seed, num, poison, ll, fault, pick):
     if poison in ("nan", "inf") and valid:
         names.add("pos")
     if names:  # checked eagerly, before any work
+        if not 0 <= num <= N_LOCAL:
+            names.add("num")  # a concrete count outside [0, n] is refused (the jitted path below clips it)
         part = Particles(pos=jnp.asarray(pos), num=jnp.int32(num))
         expect(lambda: fof(part, ll, min_members=min_members, box=box), names)
         return

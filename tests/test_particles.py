@@ -180,3 +180,32 @@ def test_conservation_detects_loss_and_duplicates() -> None:
     assert int(conservation.smap(mesh)(dup).checksum) != int(ref.checksum)
     with pytest.raises(TypeError, match="with_ids"):
         conservation(Particles(pos=jnp.zeros((2, 3)), num=jnp.int32(2)))
+
+
+def test_count_outside_capacity_is_refused() -> None:
+    """A concrete ``num`` outside ``[0, n]`` is a clear ValueError in the local and global views; under jit the
+    count is traced and kernels clip it (documented)."""
+    pos = np.random.default_rng(3).random((16, 3), dtype=np.float32)
+    for num in (-1, 17):
+        part = sx.particles.Particles(pos=jnp.asarray(pos), num=jnp.int32(num))
+        with pytest.raises(ValueError, match=rf"zsort: part.num must count valid rows, between 0 and the capacity "
+                                             rf"16 .* got {num}"):
+            sx.particles.zsort(part)
+        with pytest.raises(ValueError, match=rf"knn: part.num .* got {num}"):
+            sx.spatial.knn(part, 3)
+        with pytest.raises(ValueError, match=rf"fof: part.num .* got {num}"):
+            sx.spatial.fof(part, 0.1)
+    # Traced: clipped to [0, n], as the one-device kernels document.
+    clipped = jax.jit(lambda num: sx.particles.zsort(sx.particles.Particles(pos=jnp.asarray(pos), num=num)))(
+        jnp.int32(17))
+    assert int(clipped[0].num) == 16
+    mesh = make_mesh((8,))
+    good = sx.particles.from_numpy(np.concatenate([pos, pos]), mesh=mesh)
+    n = good.pos.shape[1]
+    bad = dataclasses.replace(good, num=jax.device_put(np.full(8, n + 1, np.int32), good.num.sharding))
+    for call, where in ((lambda p: sx.particles.zsort.smap(mesh)(p), "zsort.smap"),
+                        (lambda p: sx.spatial.knn.smap(mesh)(p, 3), "knn.smap"),
+                        (lambda p: sx.spatial.fof.smap(mesh)(p, 0.1), "fof.smap"),
+                        (lambda p: sx.fields.paint(p, (8, 8, 8), box=1.0, mesh=mesh), "paint")):
+        with pytest.raises(ValueError, match=rf"{where}: part.num .* capacity {n} .* got {n + 1}"):
+            call(bad)

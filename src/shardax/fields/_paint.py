@@ -17,7 +17,7 @@ from .. import comm
 from .._errors import CapacityError
 from ..core import ALL, default_mesh, rank_info, smap
 from ..particles import Particles
-from ..particles._particles import check_positions, row_count
+from ..particles._particles import check_count, check_positions, row_count
 from ._grid import Grid, _box3, _shape3, cell_index, default_spec, field_sharding
 
 _CORNERS = tuple(itertools.product((0, 1), repeat=3))
@@ -113,6 +113,7 @@ def _check_global(part: Any, where: str) -> None:
     if jnp.shape(part.num) != shape[:1]:
         raise ValueError(f"{where}: part.num must have shape {shape[:1]} (one count per device), got "
                          f"{jnp.shape(part.num)}")
+    check_count(part.num, shape[1], where)
     mass = getattr(part, "mass", None)
     if mass is not None and jnp.shape(mass) != shape[:2]:
         raise ValueError(f"{where}: part.mass must have shape {shape[:2]} (one mass per row of part.pos), got "

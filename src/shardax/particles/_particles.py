@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
 
 from ..comm import scan
 from ..core import rank_info
@@ -78,7 +80,25 @@ def check_positions(part: Any, where: str) -> tuple[int, int]:
     if jnp.ndim(part.num) != 0:
         raise ValueError(f"{where}: part.num must be a scalar count in the local view, got shape "
                          f"{jnp.shape(part.num)}")
+    check_count(part.num, n, where)
     return n, int(jnp.shape(pos)[1])
+
+
+def check_count(num: Any, n: int, where: str, name: str = "part.num") -> None:
+    """Raise ``ValueError`` when a concrete particle count (a scalar, or one per device in the global view) lies
+    outside ``[0, n]``. Traced counts (inside ``jit``) cannot be checked here; kernels clip them to ``[0, n]``.
+    Only this process's shards of a multi-process array are read."""
+    if isinstance(num, Tracer):
+        return
+    if isinstance(num, jax.Array) and not num.is_fully_addressable:
+        values = np.concatenate([np.ravel(np.asarray(s.data)) for s in num.addressable_shards] + [np.zeros((0,))])
+    else:
+        values = np.ravel(np.asarray(num))
+    bad = values[(values < 0) | (values > n)]
+    if bad.size:
+        raise ValueError(f"{where}: {name} must count valid rows, between 0 and the capacity {n} (rows of "
+                         f"{name.rsplit('.', 1)[0]}.pos), got {bad[0]}; set it to the number of filled rows, or pad "
+                         f"the fields to hold that many")
 
 
 def is_row_leaf(leaf: Any, n: int) -> bool:

@@ -37,7 +37,7 @@ from ..comm._alltoallv import default_chunk
 from ..core import ALL, rank_info, smap
 from ._domain import Domain, domain_of
 from ._morton import Box, KeyBox, key_box, morton_key, periodic_box, wrap
-from ._particles import check_positions, map_rows, replace_field, with_num
+from ._particles import check_count, check_positions, map_rows, replace_field, with_num
 from ._rows import RowLeaves, resize_rows, send_rows, take_rows
 from ._sort import argsort_keys
 
@@ -304,6 +304,7 @@ def _constructed(mesh: Mesh | None, jit: bool, donate: bool) -> Callable[..., An
         if jnp.ndim(part.pos) != 3:
             raise ValueError(f"zsort.smap: part.pos must have shape (ndev, n, d) (e.g. from shardax.particles."
                              f"from_numpy), got {jnp.shape(part.pos)}; call zsort() for the local view")
+        check_count(part.num, int(jnp.shape(part.pos)[1]), "zsort.smap")
         dtype = jnp.result_type(part.pos)
         if box is not None and not isinstance(box, Tracer) and dtype in (jnp.float32, jnp.float64):
             periodic_box(box, int(jnp.shape(part.pos)[-1]), dtype)  # clear errors before anything is traced

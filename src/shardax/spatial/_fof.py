@@ -23,7 +23,7 @@ from .._errors import CapacityError
 from ..comm import allgather, allreduce, scan
 from ..core import ALL, rank_info, smap
 from ..particles._morton import given_box_values
-from ..particles._particles import check_positions
+from ..particles._particles import check_count, check_positions
 from ..particles._zsort import sort_particles
 from ._catalogue import Catalogue, Partial, finish, partial_sums
 from ._fof_halo import (
@@ -315,6 +315,7 @@ def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., 
         if getattr(part, "pos", None) is None or not hasattr(part, "num") or jnp.ndim(part.pos) != 3:
             raise ValueError("fof.smap: part must be a global particle pytree with pos of shape (ndev, n, d) "
                              "(e.g. from shardax.particles.from_numpy); call fof() for the local view")
+        check_count(part.num, int(jnp.shape(part.pos)[1]), "fof.smap")
         if isinstance(linking_length, bool) or not isinstance(linking_length, int | float | np.floating):
             raise TypeError(f"fof.smap: linking_length must be a Python number, got {type(linking_length).__name__}")
         if jnp.issubdtype(jnp.result_type(part.pos), jnp.floating):

@@ -18,6 +18,7 @@ from ..comm import allgather, allreduce, scan
 from ..core import ALL, rank_info, smap
 from ..particles import Particles
 from ..particles._morton import given_box_values
+from ..particles._particles import check_count
 from ._knn_dist import Flags, default_ghost_capacity, distributed_knn
 from ._knn_local import local_knn
 
@@ -59,6 +60,7 @@ def _positions(x: Any, name: str) -> tuple[jax.Array, jax.Array]:
         return pos, jnp.ones((n,), bool)
     if jnp.ndim(num) != 0:
         raise ValueError(f"knn: {name}.num must be a scalar count in the local view, got shape {jnp.shape(num)}")
+    check_count(num, n, "knn", f"{name}.num")
     return pos, jnp.arange(n, dtype=jnp.int32) < jnp.asarray(num, jnp.int32)
 
 
@@ -294,6 +296,7 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
         if jnp.ndim(part.pos) != 3:
             raise ValueError(f"knn.smap: part.pos must have shape (ndev, n, d) (e.g. from shardax.particles."
                              f"from_numpy), got {jnp.shape(part.pos)}; call knn() for the local view")
+        check_count(part.num, int(jnp.shape(part.pos)[1]), "knn.smap")
         rows = int(np.prod(jnp.shape(part.pos)[:2]))
         _check_k(k, rows, jnp.ones((rows,), bool))  # before compiling a search for an impossible k
         if box is not None and jnp.issubdtype(jnp.result_type(part.pos), jnp.floating):
