@@ -413,3 +413,32 @@ def test_syevd_jacobi_method():
     w, v, status = sx.linalg.syevd(put(a, mesh, "2d"), return_status=True, method="jacobi", max_sweeps=20)
     assert int(status) == 0
     check_eigh(a, w, v, np.float32)
+
+
+def test_mesh_with_explicit_axes():
+    """Meshes from jax.make_mesh (explicit axes by default): plain and sharded inputs, results in the input's
+    sharding, seed 000's host_replicate step eagerly and inside jit."""
+    rng = np.random.default_rng(5)
+    m = rng.standard_normal((40, 40))
+    a = (m @ m.T / 40 + np.eye(40)).astype(np.float32)
+    b = rng.standard_normal((40, 3)).astype(np.float32)
+    flat, grid = jax.make_mesh((8,), ("x",)), jax.make_mesh((2, 4), ("h", "d"))
+    assert jax.sharding.AxisType.Explicit in grid.axis_types
+    x = sx.linalg.potrs(jnp.asarray(a), jnp.asarray(b), tile=8, mesh=flat)
+    np.testing.assert_allclose(np.asarray(x), sl.cho_solve(sl.cho_factor(a), b), rtol=2e-4, atol=2e-4)
+    a_cols = jax.device_put(jnp.asarray(a), NamedSharding(grid, P(None, ("h", "d"))))
+    factor = sx.linalg.potrf(a_cols, tile=8)
+    assert factor.sharding == a_cols.sharding
+    np.testing.assert_allclose(np.asarray(factor), np.linalg.cholesky(a), rtol=2e-4, atol=2e-4)
+    w, v = sx.linalg.syevd(a_cols)
+    assert v.sharding == a_cols.sharding
+    np.testing.assert_allclose(np.asarray(w), np.linalg.eigvalsh(a), rtol=1e-4, atol=1e-4)
+    replicated = sx.host_replicate(a_cols, grid, axis="h")
+    assert replicated.sharding.spec == P(None, "d")
+    inside = jax.jit(lambda y: sx.host_replicate(y, grid, axis="h"))(a_cols)
+    assert inside.sharding.spec == P(None, "d")
+    b_rows = jax.device_put(jnp.asarray(b), NamedSharding(grid, P("h", None)))
+    x = sx.linalg.potrs(replicated, b_rows, 8, grid, (P(None, "T"), P(None, None)))
+    assert x.sharding == b_rows.sharding
+    np.testing.assert_allclose(np.asarray(x), sl.cho_solve(sl.cho_factor(a), b), rtol=2e-4, atol=2e-4)
+

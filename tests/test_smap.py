@@ -173,3 +173,18 @@ def test_donate_argnums():
                      donate_argnums=1)
     with pytest.raises(ValueError, match="static ones cannot be donated"):
         static(jnp.ones((2, 4)), 2.0)
+
+
+def test_mesh_with_explicit_axes():
+    """jax.make_mesh gives explicit axes by default, where shard_map does not move its inputs itself: a replicated
+    input failed deep in JAX. smap moves each input to its spec, eagerly and inside jit."""
+    mesh = jax.make_mesh((2, 4), ("x", "y"))
+    assert jax.sharding.AxisType.Explicit in mesh.axis_types
+    tiled = sx.smap(lambda a: a + sx.rank_info().rank.astype(a.dtype), in_specs=P("x", "y"), out_specs=P("x", "y"), mesh=mesh,
+                    expand=False)
+    ranks = np.repeat(np.repeat(np.arange(8).reshape(2, 4), 2, axis=0), 3, axis=1)
+    np.testing.assert_array_equal(tiled(jnp.zeros((4, 12))), ranks)
+    np.testing.assert_array_equal(jax.jit(tiled)(jnp.zeros((4, 12))), ranks)
+    double = sx.smap(lambda a: a * 2, in_specs=(P(sx.ALL),), out_specs=P(sx.ALL), mesh=mesh, jit=True)
+    np.testing.assert_array_equal(double(jnp.ones((8, 5))), 2 * np.ones((8, 5)))
+

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.core import Tracer
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ..runtime import flat_mesh
 from ..runtime._guard import guard_call, last_call
@@ -191,7 +191,8 @@ def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = N
     On top of ``jax.shard_map``:
 
     - ``sx.ALL`` (or ``-1``) in a spec, or as a whole spec, means every mesh axis, so code never hard-codes axis names;
-    - ``mesh=None`` takes the context mesh (``jax.set_mesh``), else :func:`shardax.flat_mesh`;
+    - ``mesh=None`` takes the context mesh (``jax.set_mesh``), else :func:`shardax.flat_mesh`; a mesh with
+      explicit axes (``jax.make_mesh``'s default) works as well: each input is moved to its spec first;
     - ``None`` as a top-level entry of ``in_specs`` marks a static (non-array, hashable) argument;
     - with ``expand=True`` an input sharded along its leading axis, of global shape ``(ndev, n, ...)``, arrives in
       ``f`` as ``(n, ...)``, and every output sharded along its leading axis (scalars included) leaves with a
@@ -346,7 +347,25 @@ def _build(f: Callable, mesh: Mesh, args: tuple, static: tuple[int, ...], dyn_sp
                                 is_leaf=_is_spec)
     mapped = jax.shard_map(body, mesh=mesh, in_specs=dyn_specs, out_specs=resolved_out)
     mapped.__name__ = f"smap({name})"  # type: ignore[attr-defined]
-    return mapped
+    if AxisType.Explicit not in mesh.axis_types:
+        return mapped
+    # On a mesh with explicit axes (``jax.make_mesh``'s default) shard_map does not reshard its inputs: an array
+    # replicated or laid out otherwise would fail deep in JAX. Move each to its in_spec first, as jit does for
+    # automatic axes.
+    shardings = tuple(jax.tree.map(lambda sp: NamedSharding(mesh, sp), spec, is_leaf=is_pspec) for spec in dyn_specs)
+
+    def to_spec(sharding: NamedSharding, a: Any) -> Any:
+        if isinstance(a, Tracer):
+            return jax.sharding.reshard(a, sharding)
+        return jax.device_put(a, sharding)
+
+    @functools.wraps(mapped)
+    def resharded(*dyn: Any) -> Any:
+        dyn = tuple(jax.tree.map(to_spec, sh, d, is_leaf=lambda x: isinstance(x, NamedSharding))
+                    for sh, d in zip(shardings, dyn, strict=True))
+        return mapped(*dyn)
+
+    return resharded
 
 
 def _resolve_or_replicated(spec: Any, mesh: Mesh, where: str) -> PartitionSpec:

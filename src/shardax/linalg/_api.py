@@ -12,7 +12,16 @@ from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..core import smap
-from ._checks import apply_in_specs, check_flag, check_matrix, check_rhs, check_tile, resolve_mesh
+from ._checks import (
+    apply_in_specs,
+    check_flag,
+    check_matrix,
+    check_rhs,
+    check_tile,
+    computing_mesh,
+    onto,
+    resolve_mesh,
+)
 from ._core import solve_local
 from ._layout import BlockCyclic, cyclic_spec, from_cyclic, to_cyclic, user_sharding
 from ._potrf import potrf_local
@@ -83,6 +92,8 @@ def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_s
         b: `(N,)` or `(N, K)` right-hand sides, ``a``'s dtype.
         T_A: jaxmg's name for ``tile``.
         mesh: the mesh; default the mesh ``a`` is sharded on, else the context mesh, else ``sx.flat_mesh()``.
+            Explicit axes (``jax.make_mesh``'s default) are fine: the work runs on the same devices with automatic
+            axes, and the results come back in the inputs' shardings.
         in_specs: jaxmg's ``(spec_a, spec_b)``.
         tile: block size (default 256; reduced for small ``N`` so that padding stays below a block per device).
         return_status: also return the LAPACK ``info``: 0, or ``k > 0`` when the leading minor of order ``k`` is
@@ -104,12 +115,15 @@ def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_s
     size = check_tile(tile, T_A)
     check_matrix(a)
     check_rhs(b, a)
-    the_mesh = resolve_mesh(mesh, a)
-    a, b = apply_in_specs(a, b, the_mesh, in_specs)
+    user_mesh = resolve_mesh(mesh, a)
+    a, b = apply_in_specs(a, b, user_mesh, in_specs)
+    b_user = user_sharding(b, user_mesh)
+    the_mesh = computing_mesh(user_mesh)
+    a, b = onto(a, the_mesh), onto(b, the_mesh)
     layout = BlockCyclic.create(a.shape[0], size, the_mesh.size)
     b_sharding = user_sharding(b, the_mesh)
     x, logdet, info = _solver(the_mesh, layout, return_logdet, b_sharding)(a, b)
-    x = _reshard(x, b_sharding)
+    x = _reshard(_reshard(x, b_sharding), b_user)
     out: tuple = (x,) + ((logdet,) if return_logdet else ()) + ((info,) if return_status else ())
     return out[0] if len(out) == 1 else out
 
@@ -166,11 +180,14 @@ def _factor_api(a: Any, tile: int, mesh: Mesh | None, return_status: bool, *, in
     check_flag(return_status, "return_status")
     size = check_tile(tile)
     check_matrix(a)
-    the_mesh = resolve_mesh(mesh, a)
+    user_mesh = resolve_mesh(mesh, a)
+    a_user = user_sharding(a, user_mesh)
+    the_mesh = computing_mesh(user_mesh)
+    a = onto(a, the_mesh)
     layout = BlockCyclic.create(a.shape[0], size, the_mesh.size)
     a_sharding = user_sharding(a, the_mesh)
     out, info = _factor(the_mesh, layout, inverse, a_sharding)(a)
-    out = _reshard(out, a_sharding)
+    out = _reshard(_reshard(out, a_sharding), a_user)
     return (out, info) if return_status else out
 
 
@@ -298,12 +315,15 @@ def syevd(a: Any, *, mesh: Mesh | None = None, return_eigenvectors: bool = True,
     if not isinstance(max_sweeps, int) or isinstance(max_sweeps, bool) or max_sweeps < 1:
         raise ValueError(f"max_sweeps must be a positive int, got {max_sweeps!r}")
     check_matrix(a)
-    the_mesh = resolve_mesh(mesh, a)
-    a_sharding = user_sharding(a, the_mesh)
     if method not in ("tridiagonal", "jacobi"):
         raise ValueError(f"method must be 'tridiagonal' or 'jacobi', got {method!r}")
+    user_mesh = resolve_mesh(mesh, a)
+    a_user = user_sharding(a, user_mesh)
+    the_mesh = computing_mesh(user_mesh)
+    a = onto(a, the_mesh)
+    a_sharding = user_sharding(a, the_mesh)
     sweeps = max_sweeps if method == "jacobi" else 0  # one compiled program whatever the ignored value
     w, v, status = _eigensolver(the_mesh, a.shape[0], method, sweeps, return_eigenvectors, a_sharding)(a)
-    v = _reshard(v, a_sharding)
+    v = _reshard(_reshard(v, a_sharding), a_user)
     out: tuple = (w,) + ((v,) if return_eigenvectors else ()) + ((status,) if return_status else ())
     return out[0] if len(out) == 1 else out

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ..core import default_mesh
 
@@ -78,6 +78,26 @@ def resolve_mesh(mesh: Mesh | None, a: Any) -> Mesh:
     if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
         return sharding.mesh
     return default_mesh(None)
+
+
+def computing_mesh(mesh: Mesh) -> Mesh:
+    """``mesh`` with automatic axes. The layout changes around the local kernels are written in the global view,
+    which a mesh with explicit axes (``jax.make_mesh``'s default) would make fail; the devices and axis names stay."""
+    if AxisType.Explicit not in mesh.axis_types:
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def onto(x: Any, mesh: Mesh) -> Any:
+    """``x`` laid out the same way on ``mesh`` when it lives on another mesh over the same devices and axes (its
+    explicit-axes twin, see :func:`computing_mesh`); otherwise ``x`` unchanged."""
+    sharding = None if isinstance(x, Tracer) else getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or sharding.mesh == mesh:
+        return x
+    twin = sharding.mesh
+    if twin.axis_names != mesh.axis_names or not np.array_equal(np.asarray(twin.devices), np.asarray(mesh.devices)):
+        return x
+    return jax.device_put(x, NamedSharding(mesh, sharding.spec))
 
 
 def apply_in_specs(a: Any, b: Any, mesh: Mesh, in_specs: Any) -> tuple[Any, Any]:

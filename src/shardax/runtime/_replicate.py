@@ -6,7 +6,7 @@ import functools
 
 import jax
 from jax.core import Tracer
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 
 def _drop_axis(spec: PartitionSpec, axis: str) -> PartitionSpec:
@@ -55,7 +55,10 @@ def host_replicate(x: jax.Array, mesh: Mesh, axis: str = "hosts") -> jax.Array:
         raise ValueError(f"axis={axis!r} is not an axis of the mesh (axes: {mesh.axis_names})")
     if isinstance(x, Tracer):
         spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or PartitionSpec()
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, _drop_axis(spec, axis)))
+        target = NamedSharding(mesh, _drop_axis(spec, axis))
+        if AxisType.Explicit in mesh.axis_types:  # jax.make_mesh's default: a sharding is changed by reshard
+            return jax.sharding.reshard(x, target)
+        return jax.lax.with_sharding_constraint(x, target)
     sharding = getattr(x, "sharding", None)
     if not isinstance(sharding, NamedSharding):
         raise TypeError("x must be a jax.Array with a NamedSharding on `mesh` (use jax.device_put(x, "
