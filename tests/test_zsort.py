@@ -179,6 +179,9 @@ def check_domain(mesh: Mesh) -> Any:
             np.testing.assert_array_equal(chi[r, c], rows.max(0))
         if r + 1 < ndev:
             assert (int(last[r, 0]), int(last[r, 1])) <= (int(first[r + 1, 0]), int(first[r + 1, 1]))
+    again = sx.particles.domain.smap(mesh)(out, box=1.0, num_cells=8)  # the same, from the sorted particles
+    for mine, theirs in zip(jax.tree.leaves(again), jax.tree.leaves(dom), strict=True):
+        np.testing.assert_array_equal(to_host(mine), to_host(theirs))
     return dom
 
 

@@ -16,8 +16,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from ..comm import allgather
+from ._global import attach_smap
 from ._morton import INVALID_KEY, KEY_BITS_PER_DIM, Box, KeyBox, key_box, morton_key
 from ._particles import check_positions
 
@@ -127,7 +129,8 @@ def domain_of(part: Any, kbox: KeyBox, num_cells: int) -> Domain:
 
 
 def domain(part: Any, *, box: Box | None = None, num_cells: int = 64) -> Domain:
-    """The :class:`Domain` of particles already in global z-order (the output of :func:`zsort`), local view.
+    """The :class:`Domain` of particles already in global z-order (the output of :func:`zsort`), local view
+    (``domain.smap(mesh)(part, box=...)`` for global ``(ndev, n, d)`` arrays).
 
     Pass the ``box`` that :func:`zsort` was given, so the keys are the same. Equivalent to
     ``zsort(..., return_domain=True)``'s third output.
@@ -150,3 +153,6 @@ def domain(part: Any, *, box: Box | None = None, num_cells: int = 64) -> Domain:
     n, _ = check_positions(part, "domain")
     valid = jnp.arange(n, dtype=jnp.int32) < jnp.asarray(part.num, jnp.int32)
     return domain_of(part, key_box(jnp.asarray(part.pos), valid, box), num_cells)
+
+
+attach_smap(domain, arrays={"part": P(-1)}, out_specs=P())  # box and num_cells static, as in zsort.smap
