@@ -442,3 +442,18 @@ def test_mesh_with_explicit_axes():
     assert x.sharding == b_rows.sharding
     np.testing.assert_allclose(np.asarray(x), sl.cho_solve(sl.cho_factor(a), b), rtol=2e-4, atol=2e-4)
 
+
+def test_explicit_context_mesh_eager_and_inside_jit():
+    """Under jax.set_mesh of a mesh with explicit axes, no mesh argument: eagerly (an array made in the context) and
+    inside the caller's jit (an array made outside it: a traced array with explicit axes is not supported there)."""
+    rng = np.random.default_rng(6)
+    m = rng.standard_normal((24, 24))
+    a = (m @ m.T / 24 + np.eye(24)).astype(np.float32)
+    want = np.linalg.cholesky(a)
+    outside = jnp.asarray(a)
+    with jax.set_mesh(jax.make_mesh((8,), ("x",))):
+        eager = sx.linalg.potrf(jnp.asarray(a), tile=4)
+        inside = jax.jit(lambda y: sx.linalg.potrf(y, tile=4))(outside)
+    np.testing.assert_allclose(np.asarray(eager), want, rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(inside), want, rtol=2e-4, atol=2e-4)
+

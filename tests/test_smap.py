@@ -188,3 +188,14 @@ def test_mesh_with_explicit_axes():
     double = sx.smap(lambda a: a * 2, in_specs=(P(sx.ALL),), out_specs=P(sx.ALL), mesh=mesh, jit=True)
     np.testing.assert_array_equal(double(jnp.ones((8, 5))), 2 * np.ones((8, 5)))
 
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+def test_context_mesh_inside_jit(explicit: bool):
+    """Under jax.set_mesh, smap without a mesh argument also works inside the caller's jit (jax.sharding.get_mesh
+    refuses there)."""
+    mesh = jax.make_mesh((8,), ("x",)) if explicit else make_mesh((8,))
+    double = sx.smap(lambda a: a * 2, in_specs=P("x"), out_specs=P("x"), expand=False)
+    with jax.set_mesh(mesh):
+        out = jax.jit(double)(jnp.arange(16.0, dtype=jnp.float32))
+    np.testing.assert_array_equal(out, 2 * np.arange(16.0))
+

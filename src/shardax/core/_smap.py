@@ -91,10 +91,14 @@ def _spec_axes(entry: Any) -> tuple[str, ...]:
 
 
 def _context_mesh() -> Mesh | None:
-    mesh = jax.sharding.get_mesh()
+    from jax._src import mesh as mesh_lib
+
+    try:
+        mesh = jax.sharding.get_mesh()
+    except ValueError:  # inside jit, where get_mesh refuses; jax.set_mesh's concrete mesh is still set
+        mesh = mesh_lib.get_concrete_mesh()
     if isinstance(mesh, Mesh) and not mesh.empty:
         return mesh
-    from jax._src import mesh as mesh_lib
 
     legacy = mesh_lib.thread_resources.env.physical_mesh
     if isinstance(legacy, Mesh) and not legacy.empty:

@@ -19,6 +19,7 @@ from ._checks import (
     check_rhs,
     check_tile,
     computing_mesh,
+    computing_on,
     onto,
     resolve_mesh,
 )
@@ -122,7 +123,8 @@ def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_s
     a, b = onto(a, the_mesh), onto(b, the_mesh)
     layout = BlockCyclic.create(a.shape[0], size, the_mesh.size)
     b_sharding = user_sharding(b, the_mesh)
-    x, logdet, info = _solver(the_mesh, layout, return_logdet, b_sharding)(a, b)
+    with computing_on(the_mesh, user_mesh):
+        x, logdet, info = _solver(the_mesh, layout, return_logdet, b_sharding)(a, b)
     x = _reshard(_reshard(x, b_sharding), b_user)
     out: tuple = (x,) + ((logdet,) if return_logdet else ()) + ((info,) if return_status else ())
     return out[0] if len(out) == 1 else out
@@ -186,7 +188,8 @@ def _factor_api(a: Any, tile: int, mesh: Mesh | None, return_status: bool, *, in
     a = onto(a, the_mesh)
     layout = BlockCyclic.create(a.shape[0], size, the_mesh.size)
     a_sharding = user_sharding(a, the_mesh)
-    out, info = _factor(the_mesh, layout, inverse, a_sharding)(a)
+    with computing_on(the_mesh, user_mesh):
+        out, info = _factor(the_mesh, layout, inverse, a_sharding)(a)
     out = _reshard(_reshard(out, a_sharding), a_user)
     return (out, info) if return_status else out
 
@@ -323,7 +326,8 @@ def syevd(a: Any, *, mesh: Mesh | None = None, return_eigenvectors: bool = True,
     a = onto(a, the_mesh)
     a_sharding = user_sharding(a, the_mesh)
     sweeps = max_sweeps if method == "jacobi" else 0  # one compiled program whatever the ignored value
-    w, v, status = _eigensolver(the_mesh, a.shape[0], method, sweeps, return_eigenvectors, a_sharding)(a)
+    with computing_on(the_mesh, user_mesh):
+        w, v, status = _eigensolver(the_mesh, a.shape[0], method, sweeps, return_eigenvectors, a_sharding)(a)
     v = _reshard(_reshard(v, a_sharding), a_user)
     out: tuple = (w,) + ((v,) if return_eigenvectors else ()) + ((status,) if return_status else ())
     return out[0] if len(out) == 1 else out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -86,6 +88,22 @@ def computing_mesh(mesh: Mesh) -> Mesh:
     if AxisType.Explicit not in mesh.axis_types:
         return mesh
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+@contextlib.contextmanager
+def computing_on(mesh: Mesh, user_mesh: Mesh) -> Iterator[None]:
+    """Make ``mesh`` the context mesh while the work runs on it, when it is ``user_mesh``'s automatic-axes twin (a
+    ``jax.set_mesh`` context of the explicit mesh would otherwise clash with it); nothing otherwise."""
+    if mesh is user_mesh:
+        yield
+        return
+    try:
+        context: Any = jax.set_mesh(mesh)
+    except ValueError:  # inside jit: only a context mesh of the caller's needs replacing
+        outer = jax.sharding.get_abstract_mesh()
+        context = contextlib.nullcontext() if outer.empty else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+    with context:
+        yield
 
 
 def onto(x: Any, mesh: Mesh) -> Any:
