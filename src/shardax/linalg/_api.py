@@ -125,7 +125,7 @@ def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_s
     b_sharding = user_sharding(b, the_mesh)
     with computing_on(the_mesh, user_mesh):
         x, logdet, info = _solver(the_mesh, layout, return_logdet, b_sharding)(a, b)
-    x = _reshard(_reshard(x, b_sharding), b_user)
+    x = _reshard(x, b_user or b_sharding)  # the input's own sharding: one move from the computing mesh
     out: tuple = (x,) + ((logdet,) if return_logdet else ()) + ((info,) if return_status else ())
     return out[0] if len(out) == 1 else out
 
@@ -190,7 +190,7 @@ def _factor_api(a: Any, tile: int, mesh: Mesh | None, return_status: bool, *, in
     a_sharding = user_sharding(a, the_mesh)
     with computing_on(the_mesh, user_mesh):
         out, info = _factor(the_mesh, layout, inverse, a_sharding)(a)
-    out = _reshard(_reshard(out, a_sharding), a_user)
+    out = _reshard(out, a_user or a_sharding)
     return (out, info) if return_status else out
 
 
@@ -328,6 +328,6 @@ def syevd(a: Any, *, mesh: Mesh | None = None, return_eigenvectors: bool = True,
     sweeps = max_sweeps if method == "jacobi" else 0  # one compiled program whatever the ignored value
     with computing_on(the_mesh, user_mesh):
         w, v, status = _eigensolver(the_mesh, a.shape[0], method, sweeps, return_eigenvectors, a_sharding)(a)
-    v = _reshard(_reshard(v, a_sharding), a_user)
+    v = _reshard(v, a_user or a_sharding)
     out: tuple = (w,) + ((v,) if return_eigenvectors else ()) + ((status,) if return_status else ())
     return out[0] if len(out) == 1 else out
