@@ -123,16 +123,22 @@ def potrf_local(a: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.Array
     t, nbl, npad = layout.tile, layout.local_blocks, layout.padded
     library = solver_library()
     bounds = phase_bounds(nbl)
+    ngroups = len(bounds) - 1
+    # Column group g (local blocks bounds[g]..bounds[g + 1]) is kept as its own array of the rows it can hold
+    # nonzeros in (>= its first global column): the loop carries the live groups, and each update is one product
+    # subtracted in place from a whole carry buffer, with no slicing of (and copying into) one big matrix.
+    groups = [a[bounds[g] * size * t:, bounds[g] * t:bounds[g + 1] * t] for g in range(ngroups)]
     info = vary_like(jnp.int32(0), a)
-    for q in range(len(bounds) - 1):
+    for q in range(ngroups):
         start = bounds[q]
         row0 = start * size * t
 
         def step(k, carry, start=start, row0=row0, q=q):
-            a, info = carry
+            live_groups, info = carry
+            own = live_groups[0]
             kl, owner = k // size, k % size
             is_owner = rank == owner
-            col = lax.dynamic_slice(a, index(row0, kl * t), (npad - row0, t))
+            col = lax.dynamic_slice(own, index(0, (kl - start) * t), (npad - row0, t))
             offset = k * t - row0
             rows = jnp.arange(npad - row0, dtype=jnp.int32)[:, None]
 
@@ -156,7 +162,7 @@ def potrf_local(a: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.Array
 
             panel, fail = lax.cond(is_owner, factor, idle, col)
             info = jnp.where((info == 0) & (fail > 0), fail, info)
-            a = lax.dynamic_update_slice(a, jnp.where(is_owner, panel, col), index(row0, kl * t))
+            own = lax.dynamic_update_slice(own, jnp.where(is_owner, panel, col), index(0, (kl - start) * t))
             panel = allreduce(panel)
             # Rows of the panel that multiply this device's columns; blocks <= k are zeroed, so factored columns
             # (and column k itself) receive no update.
@@ -164,23 +170,27 @@ def potrf_local(a: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.Array
             right = right.reshape(nbl - start, size, t, t)
             right = lax.dynamic_index_in_dim(right, rank, axis=1, keepdims=False).reshape((nbl - start) * t, t)
             right = jnp.conj(right)
-            for g in range(q, len(bounds) - 1):
-                c0, c1 = bounds[g] * t, bounds[g + 1] * t
+            updated = []
+            for g in range(q, ngroups):
+                c0, c1 = (bounds[g] - start) * t, (bounds[g + 1] - start) * t
                 rg = bounds[g] * size * t
 
                 def apply(block, rg=rg, c0=c0, c1=c1):
-                    return block - panel[rg - row0:] @ right[c0 - start * t:c1 - start * t].T
+                    return block - panel[rg - row0:] @ right[c0:c1].T
 
                 if g == q:
                     # This phase's own column group is factored during the phase: once its last block (global
                     # index (bounds[q + 1] - 1) * size + rank) is done the whole product would be masked, so skip it.
                     live = (bounds[q + 1] - 1) * size + rank > k
-                    a = a.at[rg:, c0:c1].set(lax.cond(live, apply, lambda block: block, a[rg:, c0:c1]))
+                    updated.append(lax.cond(live, apply, lambda block: block, own))
                 else:
-                    a = a.at[rg:, c0:c1].set(apply(a[rg:, c0:c1]))
-            return a, info
+                    updated.append(apply(live_groups[g - q]))
+            return tuple(updated), info
 
-        a, info = lax.fori_loop(jnp.int32(bounds[q] * size), jnp.int32(bounds[q + 1] * size), step, (a, info))
+        done, info = lax.fori_loop(jnp.int32(bounds[q] * size), jnp.int32(bounds[q + 1] * size), step,
+                                   (tuple(groups[q:]), info))
+        groups[q:] = list(done)
+    a = jnp.concatenate([jnp.pad(g, ((bounds[i] * size * t, 0), (0, 0))) for i, g in enumerate(groups)], axis=1)
     info = allreduce(jnp.where(info > 0, info, jnp.iinfo(jnp.int32).max), "min")
     info = jnp.where(info == jnp.iinfo(jnp.int32).max, 0, info)
     cols = global_columns(rank, layout)
