@@ -28,7 +28,8 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--syevd", type=int, nargs="*", default=[2048], help="syevd sizes (default 2048)")
     parser.add_argument("--dtypes", nargs="*", default=["float32", "float64"], help="potrs dtypes")
     parser.add_argument("--devices", type=int, default=4, help="CPU devices in this process (default 4)")
-    parser.add_argument("--tile", type=int, default=256, help="block size (default 256)")
+    parser.add_argument("--tile", type=int, default=None,
+                        help="block size (default: the library's, 256 or 128 by N and devices)")
     parser.add_argument("--nrhs", type=int, default=1, help="right-hand sides (default 1)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (default 3)")
     parser.add_argument("--json", help="also write the results to this JSON file")
@@ -83,7 +84,8 @@ def main() -> None:
             a1 = jax.device_put(a, NamedSharding(one, P()))
             b1 = jax.device_put(b, NamedSharding(one, P()))
             layout = BlockCyclic.create(n, args.tile, args.devices)
-            panel = jnp.zeros((args.devices * n, args.tile), dtype)
+            tile = layout.tile  # the block size the library uses for this call (args.tile or its default)
+            panel = jnp.zeros((args.devices * n, tile), dtype)
 
             # The factorisation's collectives alone: one all-reduce of the panel per step (upper bound: full height).
             @jax.jit
@@ -102,7 +104,7 @@ def main() -> None:
             x = np.asarray(sx.linalg.potrs(ad, bd, tile=args.tile))
             residual = float(np.linalg.norm(a @ x - b) / (np.linalg.norm(a) * np.linalg.norm(x)))
             flops = n**3 / 3 + 2 * n**2 * args.nrhs
-            rows.append({"op": "potrs", "n": n, "dtype": dtype, "devices": args.devices, "tile": args.tile,
+            rows.append({"op": "potrs", "n": n, "dtype": dtype, "devices": args.devices, "tile": tile,
                          "scipy_s": t["scipy"], "shardax_s": t["shardax"], "shardax_1dev_s": t["shardax-1dev"],
                          "collectives_s": t["collectives"], "scipy_gflops": flops / t["scipy"] / 1e9,
                          "shardax_gflops": flops / t["shardax"] / 1e9, "ratio": t["scipy"] / t["shardax"],
@@ -130,10 +132,10 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
 
     print()
-    print(f"{'op':6} {'N':>5} {'dtype':8} {'scipy s':>8} {'sx s':>8} {'sx 1dev s':>9} {'comm s':>7} "
+    print(f"{'op':6} {'N':>5} {'dtype':8} {'tile':>4} {'scipy s':>8} {'sx s':>8} {'sx 1dev s':>9} {'comm s':>7} "
           f"{'scipy GF/s':>10} {'sx GF/s':>8} {'ratio':>6}")
     for r in rows:
-        print(f"{r['op']:6} {r['n']:5d} {r['dtype']:8} {r['scipy_s']:8.3f} {r['shardax_s']:8.3f} "
+        print(f"{r['op']:6} {r['n']:5d} {r['dtype']:8} {r.get('tile', '-'):>4} {r['scipy_s']:8.3f} {r['shardax_s']:8.3f} "
               f"{r['shardax_1dev_s']:9.3f} {r.get('collectives_s', float('nan')):7.3f} "
               f"{r.get('scipy_gflops', float('nan')):10.1f} {r.get('shardax_gflops', float('nan')):8.1f} "
               f"{r['ratio']:6.2f}")

@@ -14,7 +14,7 @@ from jax.test_util import check_grads
 import shardax as sx
 from conftest import make_mesh
 from shardax.linalg._core import solve_local
-from shardax.linalg._layout import BlockCyclic, from_cyclic, to_cyclic
+from shardax.linalg._layout import BlockCyclic, default_tile, from_cyclic, to_cyclic
 from shardax.linalg._potrf import potrf_local
 from shardax.linalg._syevd import jacobi_eigh_local, tridiagonal_eigh_local, tridiagonal_layout
 
@@ -103,6 +103,18 @@ def test_potrs_layouts_and_tiles(shape, layout, n, tile):
     x, status = sx.linalg.potrs(put(a, mesh, layout), jnp.asarray(b), tile=tile, return_status=True)
     close(x, sl.cho_solve(sl.cho_factor(a), b), np.float32)
     assert int(status) == 0
+
+
+def test_default_tile():
+    """256, halved to 128 when that leaves fewer than 8 blocks per device (the benchmark sizes' choices)."""
+    assert [default_tile(n, p) for n, p in [(4096, 1), (4096, 4), (8192, 4), (8191, 4), (1000, 8)]] == [
+        256, 128, 256, 128, 128]
+    assert BlockCyclic.create(4096, None, 4).tile == 128 and BlockCyclic.create(4096, 64, 4).tile == 64
+    assert BlockCyclic.create(40, None, 4).tile == 10  # reduced for small N, as an explicit tile is
+    mesh = make_mesh((4,))
+    a, b = hpd(40, np.float32, seed=40), rhs(40, 2, np.float32)
+    close(sx.linalg.potrs(put(a, mesh, "cols"), jnp.asarray(b)), sl.cho_solve(sl.cho_factor(a), b), np.float32)
+    close(sx.linalg.potrf(put(a, mesh, "rows")), np.linalg.cholesky(a), np.float32)
 
 
 @pytest.mark.parametrize("shape", [(1,), (8,), (2, 4)])

@@ -96,7 +96,8 @@ def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_s
             Explicit axes (``jax.make_mesh``'s default) are fine: the work runs on the same devices with automatic
             axes, and the results come back in the inputs' shardings.
         in_specs: jaxmg's ``(spec_a, spec_b)``.
-        tile: block size (default 256; reduced for small ``N`` so that padding stays below a block per device).
+        tile: block size (default 256, or 128 when ``N`` leaves fewer than 8 blocks of 256 per device; reduced for
+            small ``N`` so that padding stays below a block per device).
         return_status: also return the LAPACK ``info``: 0, or ``k > 0`` when the leading minor of order ``k`` is
             not positive definite (``x`` and ``logdet`` are then NaN).
         return_logdet: also return ``log det a`` (real).
@@ -130,7 +131,7 @@ def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_s
     return out[0] if len(out) == 1 else out
 
 
-def potrf(a: Any, *, tile: int = 256, mesh: Mesh | None = None, return_status: bool = False) -> Any:
+def potrf(a: Any, *, tile: int | None = None, mesh: Mesh | None = None, return_status: bool = False) -> Any:
     """Lower Cholesky factor ``L`` (``a = L L^H``) of a Hermitian positive definite ``a``, distributed.
 
     Blocked right-looking factorisation on a 1D block-cyclic column layout (see :func:`potrs`); only the lower
@@ -138,7 +139,7 @@ def potrf(a: Any, *, tile: int = 256, mesh: Mesh | None = None, return_status: b
 
     Args:
         a: `(N, N)` Hermitian positive definite, sharded by rows, columns or both over any mesh.
-        tile: block size (default 256).
+        tile: block size (default as for :func:`potrs`).
         mesh: as in :func:`potrs`.
         return_status: also return the LAPACK ``info`` (``L`` is all NaN when it is positive).
 
@@ -154,7 +155,7 @@ def potrf(a: Any, *, tile: int = 256, mesh: Mesh | None = None, return_status: b
     return _factor_api(a, tile, mesh, return_status, inverse=False)
 
 
-def potri(a: Any, *, tile: int = 256, mesh: Mesh | None = None, return_status: bool = False) -> Any:
+def potri(a: Any, *, tile: int | None = None, mesh: Mesh | None = None, return_status: bool = False) -> Any:
     """Inverse of a Hermitian positive definite ``a`` through its distributed Cholesky factor.
 
     ``a^{-1} = L^{-H} L^{-1}``: ``L^{-1}`` is solved with its columns distributed like ``L``'s, then each device
@@ -162,7 +163,7 @@ def potri(a: Any, *, tile: int = 256, mesh: Mesh | None = None, return_status: b
 
     Args:
         a: `(N, N)` Hermitian positive definite, sharded by rows, columns or both over any mesh.
-        tile: block size (default 256).
+        tile: block size (default as for :func:`potrs`).
         mesh: as in :func:`potrs`.
         return_status: also return the LAPACK ``info`` (the inverse is all NaN when it is positive).
 
@@ -178,7 +179,7 @@ def potri(a: Any, *, tile: int = 256, mesh: Mesh | None = None, return_status: b
     return _factor_api(a, tile, mesh, return_status, inverse=True)
 
 
-def _factor_api(a: Any, tile: int, mesh: Mesh | None, return_status: bool, *, inverse: bool) -> Any:
+def _factor_api(a: Any, tile: int | None, mesh: Mesh | None, return_status: bool, *, inverse: bool) -> Any:
     check_flag(return_status, "return_status")
     size = check_tile(tile)
     check_matrix(a)

@@ -13,9 +13,9 @@ from jax.core import Tracer
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ..core import default_mesh
+from ._layout import DEFAULT_TILE
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.float64, jnp.complex64, jnp.complex128)
-DEFAULT_TILE = 256
 
 
 def check_matrix(a: Any, name: str = "a") -> Any:
@@ -53,11 +53,14 @@ def check_rhs(b: Any, a: Any) -> Any:
     return b
 
 
-def check_tile(tile: Any, t_a: Any = None) -> int:
-    """The block size from ``tile`` or jaxmg's ``T_A`` (positive ints; they must agree when both are given)."""
+def check_tile(tile: Any, t_a: Any = None) -> int | None:
+    """The block size from ``tile`` or jaxmg's ``T_A`` (positive ints; they must agree when both are given), or
+    ``None`` when neither is given (the layout then picks :func:`shardax.linalg._layout.default_tile`)."""
     if t_a is not None and tile is not None and t_a != tile:
         raise ValueError(f"T_A={t_a!r} and tile={tile!r} disagree; pass only one of them")
-    value = tile if tile is not None else t_a if t_a is not None else DEFAULT_TILE
+    value = tile if tile is not None else t_a
+    if value is None:
+        return None
     name = "tile" if tile is not None else "T_A"
     if not isinstance(value, int | np.integer) or isinstance(value, bool):
         raise TypeError(f"{name} must be a positive int (the block size), got {value!r}")
