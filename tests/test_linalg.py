@@ -106,9 +106,9 @@ def test_potrs_layouts_and_tiles(shape, layout, n, tile):
 
 
 def test_default_tile():
-    """256, halved to 128 when that leaves fewer than 8 blocks per device (the benchmark sizes' choices)."""
-    assert [default_tile(n, p) for n, p in [(4096, 1), (4096, 4), (8192, 4), (8191, 4), (1000, 8)]] == [
-        256, 128, 256, 128, 128]
+    """256, halved to 128 when that leaves fewer than 16 blocks per device (the benchmark sizes' choices)."""
+    assert [default_tile(n, p) for n, p in [(4096, 1), (4095, 1), (4096, 4), (8192, 4), (16384, 4), (1000, 8)]] == [
+        256, 128, 128, 128, 256, 128]
     assert BlockCyclic.create(4096, None, 4).tile == 128 and BlockCyclic.create(4096, 64, 4).tile == 64
     assert BlockCyclic.create(40, None, 4).tile == 10  # reduced for small N, as an explicit tile is
     mesh = make_mesh((4,))

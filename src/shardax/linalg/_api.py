@@ -96,7 +96,7 @@ def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_s
             Explicit axes (``jax.make_mesh``'s default) are fine: the work runs on the same devices with automatic
             axes, and the results come back in the inputs' shardings.
         in_specs: jaxmg's ``(spec_a, spec_b)``.
-        tile: block size (default 256, or 128 when ``N`` leaves fewer than 8 blocks of 256 per device; reduced for
+        tile: block size (default 256, or 128 when ``N`` leaves fewer than 16 blocks of 256 per device; reduced for
             small ``N`` so that padding stays below a block per device).
         return_status: also return the LAPACK ``info``: 0, or ``k > 0`` when the leading minor of order ``k`` is
             not positive definite (``x`` and ``logdet`` are then NaN).

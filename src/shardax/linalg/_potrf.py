@@ -15,7 +15,7 @@ from ._vary import index, vary_like
 # phase q only touches rows and local columns past its start, its update skips the column groups' upper triangles,
 # and the phase's own group is skipped once it is factored (the dense products would otherwise do up to 6x the
 # flops of an exact Cholesky).
-MAX_PHASES = 12
+MAX_PHASES = 16
 
 
 def phase_bounds(local_blocks: int, max_phases: int = MAX_PHASES) -> list[int]:
