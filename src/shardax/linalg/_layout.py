@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 # The default block size, halved while that leaves fewer than MIN_LOCAL_BLOCKS blocks per device: with few local
 # blocks the factorisation's phases (``_potrf.MAX_PHASES``) are coarse and its products do more flops than an exact
 # Cholesky (N = 4096 on 4 devices: 29.5 GFLOP with tile 256, 26.1 with 128, 22.9 exact; potrs f64 then ran 0.58x ->
-# 0.76x of SciPy; N = 8192 f64 on 4 devices: potrf 4.56 s with tile 256, 4.23 s with 128). With enough blocks the
+# 0.66x-0.76x of SciPy over four runs; N = 8192 f64 on 4 devices: potrf 4.56 s with tile 256, 4.23 s with 128). With enough blocks the
 # larger tile's products are the faster ones (N = 4096 on 1 device: 0.62 s vs 0.67 s).
 DEFAULT_TILE = 256
 MIN_LOCAL_BLOCKS = 16
