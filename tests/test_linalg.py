@@ -468,4 +468,3 @@ def test_explicit_context_mesh_eager_and_inside_jit():
         inside = jax.jit(lambda y: sx.linalg.potrf(y, tile=4))(outside)
     np.testing.assert_allclose(np.asarray(eager), want, rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(np.asarray(inside), want, rtol=2e-4, atol=2e-4)
-

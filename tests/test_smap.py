@@ -198,4 +198,3 @@ def test_context_mesh_inside_jit(explicit: bool):
     with jax.set_mesh(mesh):
         out = jax.jit(double)(jnp.arange(16.0, dtype=jnp.float32))
     np.testing.assert_array_equal(out, 2 * np.arange(16.0))
-

@@ -20,11 +20,12 @@ from ._checks import (
     check_tile,
     computing_mesh,
     computing_on,
+    enter,
     onto,
     resolve_mesh,
 )
 from ._core import solve_local
-from ._layout import BlockCyclic, cyclic_spec, from_cyclic, to_cyclic, user_sharding
+from ._layout import BlockCyclic, cyclic_spec, from_cyclic, to_cyclic
 from ._potrf import potrf_local
 from ._solve import inverse_local
 from ._syevd import jacobi_eigh_local, tridiagonal_eigh_local, tridiagonal_layout
@@ -119,14 +120,13 @@ def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_s
     check_rhs(b, a)
     user_mesh = resolve_mesh(mesh, a)
     a, b = apply_in_specs(a, b, user_mesh, in_specs)
-    b_user = user_sharding(b, user_mesh)
     the_mesh = computing_mesh(user_mesh)
-    a, b = onto(a, the_mesh), onto(b, the_mesh)
+    a = onto(a, the_mesh)
+    b, b_sharding, b_back = enter(b, user_mesh, the_mesh)
     layout = BlockCyclic.create(a.shape[0], size, the_mesh.size)
-    b_sharding = user_sharding(b, the_mesh)
     with computing_on(the_mesh, user_mesh):
         x, logdet, info = _solver(the_mesh, layout, return_logdet, b_sharding)(a, b)
-    x = _reshard(x, b_user or b_sharding)  # the input's own sharding: one move from the computing mesh
+    x = _reshard(x, b_back)
     out: tuple = (x,) + ((logdet,) if return_logdet else ()) + ((info,) if return_status else ())
     return out[0] if len(out) == 1 else out
 
@@ -184,14 +184,12 @@ def _factor_api(a: Any, tile: int | None, mesh: Mesh | None, return_status: bool
     size = check_tile(tile)
     check_matrix(a)
     user_mesh = resolve_mesh(mesh, a)
-    a_user = user_sharding(a, user_mesh)
     the_mesh = computing_mesh(user_mesh)
-    a = onto(a, the_mesh)
+    a, a_sharding, a_back = enter(a, user_mesh, the_mesh)
     layout = BlockCyclic.create(a.shape[0], size, the_mesh.size)
-    a_sharding = user_sharding(a, the_mesh)
     with computing_on(the_mesh, user_mesh):
         out, info = _factor(the_mesh, layout, inverse, a_sharding)(a)
-    out = _reshard(out, a_user or a_sharding)
+    out = _reshard(out, a_back)
     return (out, info) if return_status else out
 
 
@@ -322,13 +320,11 @@ def syevd(a: Any, *, mesh: Mesh | None = None, return_eigenvectors: bool = True,
     if method not in ("tridiagonal", "jacobi"):
         raise ValueError(f"method must be 'tridiagonal' or 'jacobi', got {method!r}")
     user_mesh = resolve_mesh(mesh, a)
-    a_user = user_sharding(a, user_mesh)
     the_mesh = computing_mesh(user_mesh)
-    a = onto(a, the_mesh)
-    a_sharding = user_sharding(a, the_mesh)
+    a, a_sharding, a_back = enter(a, user_mesh, the_mesh)
     sweeps = max_sweeps if method == "jacobi" else 0  # one compiled program whatever the ignored value
     with computing_on(the_mesh, user_mesh):
         w, v, status = _eigensolver(the_mesh, a.shape[0], method, sweeps, return_eigenvectors, a_sharding)(a)
-    v = _reshard(v, a_user or a_sharding)
+    v = _reshard(v, a_back)
     out: tuple = (w,) + ((v,) if return_eigenvectors else ()) + ((status,) if return_status else ())
     return out[0] if len(out) == 1 else out

@@ -13,7 +13,7 @@ from jax.core import Tracer
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ..core import default_mesh
-from ._layout import DEFAULT_TILE
+from ._layout import DEFAULT_TILE, user_sharding
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.float64, jnp.complex64, jnp.complex128)
 
@@ -119,6 +119,16 @@ def onto(x: Any, mesh: Mesh) -> Any:
     if twin.axis_names != mesh.axis_names or not np.array_equal(np.asarray(twin.devices), np.asarray(mesh.devices)):
         return x
     return jax.device_put(x, NamedSharding(mesh, sharding.spec))
+
+
+def enter(x: Any, user_mesh: Mesh, mesh: Mesh) -> tuple[Any, NamedSharding | None, NamedSharding | None]:
+    """``(x on mesh, its sharding there, the sharding results go back in)`` for the computing ``mesh`` of
+    ``user_mesh`` (:func:`computing_mesh`): the way back is ``x``'s own sharding on ``user_mesh`` when it has one (one
+    move from the computing mesh), else its sharding on ``mesh``; ``None`` for an array on neither."""
+    back = user_sharding(x, user_mesh)
+    x = onto(x, mesh)
+    inside = user_sharding(x, mesh)
+    return x, inside, back or inside
 
 
 def apply_in_specs(a: Any, b: Any, mesh: Mesh, in_specs: Any) -> tuple[Any, Any]:
