@@ -22,12 +22,17 @@ def _factor_column(factor: jax.Array, k: jax.Array, layout: BlockCyclic) -> tupl
 def cho_solve_local(factor: jax.Array, b: jax.Array, layout: BlockCyclic) -> jax.Array:
     """Solve ``(L L^H) x = b`` with the distributed factor.
 
-    Each step sends one ``(tile, nrhs)`` block over the devices: the forward solve is left-looking (every device
-    accumulates the products of its own columns and the owner of block ``k`` reduces them), the backward solve
-    broadcasts each solved block.
+    Both solves read the factor by row blocks: row block ``k`` of the local columns is contiguous, and every device
+    multiplies its own part of it at once (a `(tile, width)` matrix-vector product), so each step is one small
+    all-reduce and no device reads a whole column block alone. The forward solve is left-looking: the devices sum
+    ``L[k, :k] y[:k]`` over their columns and the owner of block ``k`` solves its diagonal block; ``y`` stays
+    distributed like the columns. The backward solve is right-looking: the owner of block ``k`` solves for ``x_k``,
+    which is broadcast, and every device subtracts ``L[k, :]^H x_k`` from its share of the right-hand side. No
+    masking is needed: the factor's upper triangle is zero, the unsolved entries of ``y`` are zero, and the
+    backward update reaches block ``k``'s own entries only after they are read.
 
     Args:
-        factor: `(padded, width)` local columns of the lower factor (from ``potrf_local``).
+        factor: `(padded, width)` local columns of the lower factor (from ``potrf_local``; upper triangle zero).
         b: `(padded, nrhs)` right-hand sides, the same on every device (zero in the padding rows).
         layout: the block-cyclic layout.
 
@@ -35,41 +40,46 @@ def cho_solve_local(factor: jax.Array, b: jax.Array, layout: BlockCyclic) -> jax
         `x: (padded, nrhs)`, the same on every device.
     """
     rank, size, _ = rank_info()
-    t, npad = layout.tile, layout.padded
-    rows = jnp.arange(npad, dtype=jnp.int32)[:, None]
+    t, width = layout.tile, layout.width
     nrhs = b.shape[1]
 
-    def forward(k, carry):
-        partial, y = carry
-        reduced = allreduce(lax.dynamic_slice(partial, index(k * t, 0), (t, nrhs)))
+    def row_block(k):
+        return lax.dynamic_slice(factor, index(k * t, 0), (t, width))
 
-        def own(carry):
-            partial, y = carry
-            column, diag = _factor_column(factor, k, layout)
-            yk = lax.linalg.triangular_solve(diag, lax.dynamic_slice(b, index(k * t, 0), (t, nrhs)) - reduced,
-                                             left_side=True, lower=True)
-            below = jnp.where(rows >= (k + 1) * t, column, jnp.zeros_like(column))
-            return partial + below @ yk, lax.dynamic_update_slice(y, yk, index(k * t, 0))
+    def diagonal(row, k):
+        return lax.dynamic_slice(row, index(0, (k // size) * t), (t, t))
 
-        return lax.cond(rank == k % size, own, lambda carry: carry, (partial, y))
+    def forward(k, y):
+        row = row_block(k)
+        reduced = allreduce(row @ y)
 
-    zeros = vary_like(jnp.zeros_like(b), factor)
-    _, y = lax.fori_loop(jnp.int32(0), jnp.int32(layout.blocks), forward, (zeros, zeros))
+        def own(y):
+            rhs = lax.dynamic_slice(b, index(k * t, 0), (t, nrhs)) - reduced
+            yk = lax.linalg.triangular_solve(diagonal(row, k), rhs, left_side=True, lower=True)
+            return lax.dynamic_update_slice(y, yk, index((k // size) * t, 0))
 
-    def backward(i, x):
+        return lax.cond(rank == k % size, own, lambda y: y, y)
+
+    # y: (width, nrhs), the entries of the forward solution at this device's columns.
+    y = lax.fori_loop(jnp.int32(0), jnp.int32(layout.blocks), forward,
+                      vary_like(jnp.zeros((width, nrhs), b.dtype), factor))
+
+    def backward(i, carry):
+        rhs, x = carry
         k = layout.blocks - 1 - i
+        row = row_block(k)
 
-        def own(x):
-            column, diag = _factor_column(factor, k, layout)
-            below = jnp.where(rows >= (k + 1) * t, column, jnp.zeros_like(column))
-            rhs = lax.dynamic_slice(y, index(k * t, 0), (t, nrhs)) - jnp.conj(below).T @ x
-            return lax.linalg.triangular_solve(diag, rhs, left_side=True, lower=True, transpose_a=True,
+        def own(rhs):
+            rk = lax.dynamic_slice(rhs, index((k // size) * t, 0), (t, nrhs))
+            return lax.linalg.triangular_solve(diagonal(row, k), rk, left_side=True, lower=True, transpose_a=True,
                                                conjugate_a=True)
 
-        xk = lax.cond(rank == k % size, own, lambda x: vary_like(jnp.zeros((t, nrhs), x.dtype), factor), x)
-        return lax.dynamic_update_slice(x, allreduce(xk), index(k * t, 0))
+        xk = lax.cond(rank == k % size, own, lambda rhs: vary_like(jnp.zeros((t, nrhs), rhs.dtype), factor), rhs)
+        xk = allreduce(xk)
+        return rhs - jnp.conj(row).T @ xk, lax.dynamic_update_slice(x, xk, index(k * t, 0))
 
-    return lax.fori_loop(jnp.int32(0), jnp.int32(layout.blocks), backward, jnp.zeros_like(b))
+    _, x = lax.fori_loop(jnp.int32(0), jnp.int32(layout.blocks), backward, (y, jnp.zeros_like(b)))
+    return x
 
 
 def logdet_local(factor: jax.Array, layout: BlockCyclic) -> jax.Array:
