@@ -2,7 +2,8 @@
 
 XLA:CPU has no ``ragged_all_to_all``, so the portable path moves rows in fixed-size chunks: each round is one
 ``all_to_all`` of a ``(size, chunk, ...)`` buffer, ``chunk = ceil(1.25 * capacity / (8 size))``, and the number of rounds
-is the largest per-pair count over all ranks divided by ``chunk`` (agreed with one ``pmax``); each round scatters
+is the largest per-pair count over all ranks divided by ``chunk`` (every rank learns it in the count exchange,
+which carries each sender's largest count along); each round scatters
 the rows it received straight into place in the receive buffer. Balanced traffic takes about seven rounds and moves
 the same bytes as a tiled ``all_to_all``; skewed traffic (everything to one rank) takes up to ``6.4 size`` rounds.
 Memory is the receive buffer plus one round's blocks (about 60% of it), whatever the traffic. On GPUs the same
@@ -41,6 +42,21 @@ def _exchange_counts(send_counts: jax.Array, axes: tuple[str, ...]) -> jax.Array
     return lax.all_to_all(send_counts.reshape(-1, 1), axes, 0, 0, tiled=True).reshape(-1)
 
 
+def _exchange_counts_and_max(send_counts: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
+    """``(recv_counts, largest)``: the rows each rank sends me, and the largest count any rank sends any rank.
+
+    One ``all_to_all``: every rank sends each peer its count for that peer and its own largest count, so the
+    global maximum (which fixes the number of chunked rounds) costs no separate ``pmax`` (across processes every
+    collective costs milliseconds of latency, whatever its size).
+    """
+    largest = jnp.max(send_counts, initial=0)
+    if not axes:
+        return send_counts, largest
+    both = jnp.stack([send_counts, jnp.broadcast_to(largest, send_counts.shape)], axis=1)
+    got = lax.all_to_all(both, axes, 0, 0, tiled=True)
+    return got[:, 0], jnp.max(got[:, 1])
+
+
 def _use_ragged(impl: Impl) -> bool:
     if impl not in ("auto", "chunked", "ragged"):
         raise ValueError(f"impl must be 'auto', 'chunked' or 'ragged', got {impl!r}")
@@ -66,24 +82,25 @@ def default_chunk(capacity: int, size: int) -> int:
 def _chunked(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: jax.Array, capacity: int,
              axes: tuple[str, ...], size: int, chunk: int | None, perm: jax.Array | None = None,
              recv_at: jax.Array | None = None, init: Sequence[jax.Array] | None = None,
-             target: jax.Array | None = None, row_maps: Sequence[Any] | None = None) -> list[jax.Array]:
+             target: jax.Array | None = None, row_maps: Sequence[Any] | None = None,
+             largest: jax.Array | None = None) -> list[jax.Array]:
     """The portable path: rounds of one fixed-size ``all_to_all`` each, received rows scattered into place.
 
     Optional, for callers that would otherwise materialise copies: ``perm`` (row ``i`` of the send order is
     ``a[perm[i]]``), ``recv_at`` (`(size,)` row where each source's block starts; default packed in rank order),
     ``init`` (the buffers the received rows are written into; default zeros) and ``target`` (`(n,)` int32 aligned
     with the send order, i.e. with ``perm`` when it is given: the row of the receive buffer each sent row goes to,
-    sent along with it; rows outside ``[0, capacity)`` are dropped; overrides ``recv_at``). ``row_maps``: per array, ``None`` or an elementwise
-    function applied to its rows as they are sent (e.g. wrapping positions into a periodic box without a wrapped copy
-    of the whole array).
+    sent along with it; rows outside ``[0, capacity)`` are dropped; overrides ``recv_at``). ``row_maps``: per array,
+    ``None`` or an elementwise function applied to its rows as they are sent (e.g. wrapping positions into a periodic
+    box without a wrapped copy of the whole array). ``largest``: the largest send count over all ranks, when the
+    caller already has it (else one ``pmax`` finds it).
     """
     c = chunk or default_chunk(capacity, size)
     send_offsets = _exclusive_cumsum(send_counts)
     recv_offsets = _exclusive_cumsum(recv_counts) if recv_at is None else recv_at
-    useful = jnp.minimum(jnp.max(send_counts), capacity)
-    rounds = -(-useful // c)
-    if axes:
-        rounds = lax.pmax(rounds, axes)
+    if largest is None:
+        largest = jnp.asarray(lax.pmax(jnp.max(send_counts), axes) if axes else jnp.max(send_counts))
+    rounds = -(-jnp.minimum(largest, capacity) // c)
     lanes = jnp.arange(c, dtype=jnp.int32)
     if init is None:
         # Zeros that depend on the counts, so that XLA cannot allocate the receive buffers long before the exchange
@@ -217,7 +234,7 @@ def alltoallv_many(arrays: Sequence[jax.Array], send_counts: jax.Array, capacity
     send_counts = jnp.maximum(jnp.asarray(send_counts, jnp.int32), 0)
     if send_counts.shape != (size,):
         raise ValueError(f"send_counts must have shape ({size},) (one count per rank), got {send_counts.shape}")
-    recv_counts = _exchange_counts(send_counts, axes)
+    recv_counts, largest = _exchange_counts_and_max(send_counts, axes)
     if recv_at is None:
         overflow = jnp.sum(recv_counts) > capacity
     else:
@@ -237,7 +254,7 @@ def alltoallv_many(arrays: Sequence[jax.Array], send_counts: jax.Array, capacity
         outs = _ragged(arrays, send_counts, recv_counts, capacity, axes, perm, recv_at, init)
     else:
         outs = _chunked(arrays, send_counts, recv_counts, capacity, axes, size, chunk, perm, recv_at, init, target,
-                        row_maps)
+                        row_maps, largest)
     return outs, recv_counts, overflow
 
 

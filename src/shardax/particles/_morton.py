@@ -174,8 +174,11 @@ def data_box(pos: jax.Array, valid: jax.Array) -> KeyBox:
     """
     finite = valid & jnp.all(jnp.isfinite(pos), axis=1)
     big = jnp.asarray(jnp.inf, pos.dtype)
-    lo = allreduce(jnp.min(jnp.where(finite[:, None], pos, big), axis=0), "min")
-    hi = allreduce(jnp.max(jnp.where(finite[:, None], pos, -big), axis=0), "max")
+    # One all-reduce for both corners: the upper one travels negated.
+    lo_and_minus_hi = allreduce(jnp.concatenate([jnp.min(jnp.where(finite[:, None], pos, big), axis=0),
+                                                 -jnp.max(jnp.where(finite[:, None], pos, -big), axis=0)]), "min")
+    d = pos.shape[1]
+    lo, hi = lo_and_minus_hi[:d], -lo_and_minus_hi[d:]
     lo = jnp.where(jnp.isfinite(lo), lo, 0)
     extent = jnp.where(hi > lo, hi - lo, 1)
     return KeyBox(lo, extent.astype(pos.dtype), False)

@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .._errors import CapacityError
-from ..comm import allgather, allreduce, scan
+from ..comm import allgather, allreduce
 from ..comm._alltoallv import default_chunk
 from ..core import ALL, rank_info, smap
 from ._domain import Domain, domain_of
@@ -75,7 +75,7 @@ def _less(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> jax.Array:
     return out
 
 
-def _splitters(words: tuple[jax.Array, ...], num: jax.Array, size: int) -> tuple[jax.Array, ...]:
+def _splitters(words: tuple[jax.Array, ...], num: jax.Array, total: jax.Array, size: int) -> tuple[jax.Array, ...]:
     """``size - 1`` splitters (words of ``(key hi, key lo, global index)``) cutting the global order evenly.
 
     Every device contributes ``s`` stratified random samples of its rows (one per stratum of ``num / s`` rows, from
@@ -88,15 +88,18 @@ def _splitters(words: tuple[jax.Array, ...], num: jax.Array, size: int) -> tuple
     at = jnp.floor((jnp.arange(s, dtype=jnp.float32) + u) * (num.astype(jnp.float32) / s)).astype(jnp.int32)
     at = jnp.clip(at, 0, jnp.maximum(num - 1, 0))
     has = num > 0
-    gathered = [allgather(jnp.where(has, w[at], jnp.asarray(jnp.iinfo(w.dtype).max, w.dtype)), tiled=True)
-                for w in words]
-    weight = allgather(jnp.where(has, jnp.full((s,), num.astype(jnp.float32) / s), 0.0), tiled=True)
+    samples = [jnp.where(has, w[at], jnp.asarray(jnp.iinfo(w.dtype).max, w.dtype)) for w in words]
+    samples.append(jnp.where(has, jnp.full((s,), num.astype(jnp.float32) / s), 0.0))
+    # One all-gather of the samples' words and weights together (across processes each collective costs
+    # milliseconds of latency whatever its size).
+    packed = allgather(jnp.stack([lax.bitcast_convert_type(w, jnp.uint32) for w in samples], axis=1), tiled=True)
+    gathered = [lax.bitcast_convert_type(packed[:, i], w.dtype) for i, w in enumerate(samples[:-1])]
+    weight = lax.bitcast_convert_type(packed[:, -1], jnp.float32)
     # Stable by key: equal keys stay in gathered (rank, row) order, which is global index order.
     order = argsort_keys(gathered[0], gathered[1])
     gathered = [w[order] for w in gathered]
     weight = weight[order]
-    total = allreduce(num).astype(jnp.float32)
-    targets = total * jnp.arange(1, size, dtype=jnp.float32) / size
+    targets = total.astype(jnp.float32) * jnp.arange(1, size, dtype=jnp.float32) / size
     pick = jnp.clip(jnp.searchsorted(jnp.cumsum(weight), targets, side="left"), 0, s * size - 1)
     return tuple(w[pick] for w in gathered)
 
@@ -164,7 +167,7 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
     kbox = key_box(pos, valid, box)
     # Positions are wrapped into a periodic box after they moved (the keys wrap on the fly), so that no wrapped copy
     # of the input positions is held during the sort.
-    nonfinite = allreduce(jnp.sum(valid & ~jnp.all(jnp.isfinite(pos), axis=1)).astype(jnp.int32))
+    nonfinite = jnp.sum(valid & ~jnp.all(jnp.isfinite(pos), axis=1)).astype(jnp.int32)
     hi, lo = morton_key(pos, kbox, valid)
     if size == 1:
         perm = argsort_keys(hi, lo)
@@ -173,7 +176,8 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
             return resize_rows(take_rows([a], perm), cap)[0]
 
         out = with_num(map_rows(reorder, part, n), jnp.minimum(num, cap))
-        return Sorted(_wrapped(out, kbox), num > cap, num, nonfinite, kbox)
+        # (An all-reduce over the one device: the count is then typed as the same on every device.)
+        return Sorted(_wrapped(out, kbox), num > cap, num, allreduce(nonfinite), kbox)
 
     # The particle data moves once. Each device first sorts its own keys: its rows are then grouped by bucket (the
     # buckets are key ranges) and, in the end, by final device. Only the keys go to their bucket, where one sort
@@ -182,8 +186,14 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
     # copy of the particles next to a sorted one, and no rows are regrouped after the first sort.
     rows_of = RowLeaves(part, n)
     perm = argsort_keys(hi, lo)  # ties in row order, which is global index order
-    words = (hi, lo, scan(num, inclusive=False) + rows)
-    bucket = jnp.where(valid, _destinations(words, _splitters(words, num, size)), size)
+    # Every device's count and non-finite rows in one all-gather: the global index offset, the total and the
+    # non-finite total all come from it.
+    per_device = allgather(jnp.stack([num, nonfinite]))
+    rank = rank_info().rank
+    nonfinite = jnp.sum(per_device[:, 1])
+    offset = jnp.sum(jnp.where(jnp.arange(size) < rank, per_device[:, 0], 0))
+    words = (hi, lo, offset + rows)
+    bucket = jnp.where(valid, _destinations(words, _splitters(words, num, jnp.sum(per_device[:, 0]), size)), size)
     send = jnp.zeros((size + 1,), jnp.int32).at[bucket].add(1)[:size]
     # Received into buffers of invalid keys, so that the padding sorts last without a masked copy.
     invalid = jnp.full((cap,), jnp.uint32(0xFFFFFFFF) - (send[0] < 0).astype(jnp.uint32), jnp.uint32)
@@ -193,7 +203,6 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
     order = argsort_keys(khi, klo)  # ties in arrival order: by source rank, then in the source's order
     counts = allgather(stored)
     first = _firsts(counts, size, equalize)
-    rank = rank_info().rank
     bucket_start = jnp.sum(jnp.where(jnp.arange(size) < rank, counts, 0))
     at = jnp.arange(cap, dtype=jnp.int32) + (order[0] < -1).astype(jnp.int32)  # (computed after the sort)
     # Global position of each received key (its bucket's start plus its rank there); -1 for padding.
@@ -316,8 +325,9 @@ def _constructed(mesh: Mesh | None, jit: bool, donate: bool) -> Callable[..., An
             def body(leaves: list[jax.Array], box_arg: Any) -> tuple:
                 result = sort_particles(jax.tree.unflatten(treedef, leaves), box if static_box else box_arg,
                                         equalize, capacity)
-                flags = (allreduce(result.overflow.astype(jnp.int32), "max"), allreduce(result.needed, "max"),
-                         result.nonfinite)
+                # One all-reduce for both flags.
+                worst = allreduce(jnp.stack([result.overflow.astype(jnp.int32), result.needed]), "max")
+                flags = (worst[0], worst[1], result.nonfinite)
                 dom = domain_of(result.part, result.key_box, num_cells) if return_domain else None
                 return result.part, result.overflow, flags, dom
 
