@@ -37,9 +37,12 @@ def _check_capacity(capacity: Any) -> int:
 
 
 def _exchange_counts(send_counts: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """Row ``j`` of ``send_counts`` (`(size,)` or `(size, k)`: one or ``k`` words per peer) to rank ``j``; returns
+    what every rank sent me, in the same shape (one ``all_to_all`` however many words travel)."""
     if not axes:
         return send_counts
-    return lax.all_to_all(send_counts.reshape(-1, 1), axes, 0, 0, tiled=True).reshape(-1)
+    words = send_counts.reshape(send_counts.shape[0], -1)
+    return lax.all_to_all(words, axes, 0, 0, tiled=True).reshape(send_counts.shape)
 
 
 def _exchange_counts_and_max(send_counts: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
@@ -50,10 +53,7 @@ def _exchange_counts_and_max(send_counts: jax.Array, axes: tuple[str, ...]) -> t
     collective costs milliseconds of latency, whatever its size).
     """
     largest = jnp.max(send_counts, initial=0)
-    if not axes:
-        return send_counts, largest
-    both = jnp.stack([send_counts, jnp.broadcast_to(largest, send_counts.shape)], axis=1)
-    got = lax.all_to_all(both, axes, 0, 0, tiled=True)
+    got = _exchange_counts(jnp.stack([send_counts, jnp.broadcast_to(largest, send_counts.shape)], axis=1), axes)
     return got[:, 0], jnp.max(got[:, 1])
 
 
@@ -80,26 +80,23 @@ def default_chunk(capacity: int, size: int) -> int:
 
 
 def _chunked(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: jax.Array, capacity: int,
-             axes: tuple[str, ...], size: int, chunk: int | None, perm: jax.Array | None = None,
-             recv_at: jax.Array | None = None, init: Sequence[jax.Array] | None = None,
-             target: jax.Array | None = None, row_maps: Sequence[Any] | None = None,
-             largest: jax.Array | None = None) -> list[jax.Array]:
+             axes: tuple[str, ...], size: int, chunk: int | None, perm: jax.Array | None,
+             recv_at: jax.Array | None, init: Sequence[jax.Array] | None, target: jax.Array | None,
+             row_maps: Sequence[Any] | None, largest: jax.Array) -> list[jax.Array]:
     """The portable path: rounds of one fixed-size ``all_to_all`` each, received rows scattered into place.
 
-    Optional, for callers that would otherwise materialise copies: ``perm`` (row ``i`` of the send order is
+    Optional (``None`` when unused), for callers that would otherwise materialise copies: ``perm`` (row ``i`` of the send order is
     ``a[perm[i]]``), ``recv_at`` (`(size,)` row where each source's block starts; default packed in rank order),
     ``init`` (the buffers the received rows are written into; default zeros) and ``target`` (`(n,)` int32 aligned
     with the send order, i.e. with ``perm`` when it is given: the row of the receive buffer each sent row goes to,
     sent along with it; rows outside ``[0, capacity)`` are dropped; overrides ``recv_at``). ``row_maps``: per array,
     ``None`` or an elementwise function applied to its rows as they are sent (e.g. wrapping positions into a periodic
-    box without a wrapped copy of the whole array). ``largest``: the largest send count over all ranks, when the
-    caller already has it (else one ``pmax`` finds it).
+    box without a wrapped copy of the whole array). ``largest``: the largest send count over all ranks (from
+    :func:`_exchange_counts_and_max`); it fixes the number of rounds.
     """
     c = chunk or default_chunk(capacity, size)
     send_offsets = _exclusive_cumsum(send_counts)
     recv_offsets = _exclusive_cumsum(recv_counts) if recv_at is None else recv_at
-    if largest is None:
-        largest = jnp.asarray(lax.pmax(jnp.max(send_counts), axes) if axes else jnp.max(send_counts))
     rounds = -(-jnp.minimum(largest, capacity) // c)
     lanes = jnp.arange(c, dtype=jnp.int32)
     if init is None:
@@ -187,8 +184,9 @@ def ragged_plan(send_counts: jax.Array, recv_counts: jax.Array, capacity: int, a
     """
     recv_offsets = (_exclusive_cumsum(recv_counts) if recv_at is None else recv_at).astype(jnp.int32)
     recv_sizes = jnp.clip(capacity - recv_offsets, 0, recv_counts).astype(jnp.int32)
-    send_sizes = _exchange_counts(recv_sizes, axes)        # each receiver tells each sender how much fits
-    output_offsets = _exchange_counts(recv_offsets, axes)  # ... and where in its buffer the block goes
+    # Each receiver tells each sender how much fits and where in its buffer the block goes (one all_to_all).
+    told = _exchange_counts(jnp.stack([recv_sizes, recv_offsets], axis=1), axes)
+    send_sizes, output_offsets = told[:, 0], told[:, 1]
     input_offsets = _exclusive_cumsum(send_counts).astype(jnp.int32)
     return input_offsets, send_sizes, output_offsets, recv_sizes
 

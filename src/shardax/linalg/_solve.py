@@ -12,11 +12,10 @@ from ._layout import BlockCyclic, gather_columns, global_columns
 from ._vary import index, vary_like
 
 
-def _factor_column(factor: jax.Array, k: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.Array]:
-    """This device's copy of global column block ``k`` (meaningful on its owner) as ``(column, diagonal block)``."""
+def _factor_column(factor: jax.Array, k: jax.Array, layout: BlockCyclic) -> jax.Array:
+    """This device's copy of global column block ``k`` (meaningful on its owner), `(padded, tile)`."""
     t = layout.tile
-    column = lax.dynamic_slice(factor, index(0, (k // layout.nproc) * t), (layout.padded, t))
-    return column, lax.dynamic_slice(column, index(k * t, 0), (t, t))
+    return lax.dynamic_slice(factor, index(0, (k // layout.nproc) * t), (layout.padded, t))
 
 
 def cho_solve_local(factor: jax.Array, b: jax.Array, layout: BlockCyclic) -> jax.Array:
@@ -105,7 +104,7 @@ def inverse_local(factor: jax.Array, layout: BlockCyclic) -> jax.Array:
     w = (rows == cols[None, :]).astype(factor.dtype)
 
     def step(k, w):
-        column, _ = _factor_column(factor, k, layout)
+        column = _factor_column(factor, k, layout)
         panel = allreduce(jnp.where(rank == k % size, column, jnp.zeros_like(column)))
         diag = lax.dynamic_slice(panel, index(k * t, 0), (t, t))
         wk = lax.linalg.triangular_solve(diag, lax.dynamic_slice(w, index(k * t, 0), (t, layout.width)),

@@ -159,7 +159,7 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
     cap = n if capacity is None else check_capacity(capacity)
     if not isinstance(equalize, bool):
         raise TypeError(f"equalize must be a bool, got {equalize!r}")
-    size = rank_info().size
+    rank, size, _ = rank_info()
     num = jnp.clip(jnp.asarray(part.num, jnp.int32), 0, n)  # type: ignore[attr-defined]
     rows = jnp.arange(n, dtype=jnp.int32)
     valid = rows < num
@@ -189,7 +189,6 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
     # Every device's count and non-finite rows in one all-gather: the global index offset, the total and the
     # non-finite total all come from it.
     per_device = allgather(jnp.stack([num, nonfinite]))
-    rank = rank_info().rank
     nonfinite = jnp.sum(per_device[:, 1])
     offset = jnp.sum(jnp.where(jnp.arange(size) < rank, per_device[:, 0], 0))
     words = (hi, lo, offset + rows)
