@@ -224,15 +224,18 @@ def group_by_rank(key: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
 def alltoallv_many(arrays: Sequence[jax.Array], send_counts: jax.Array, capacity: int, axes: tuple[str, ...],
                     impl: Impl, chunk: int | None, *, perm: jax.Array | None = None, recv_at: jax.Array | None = None,
                     init: Sequence[jax.Array] | None = None, target: jax.Array | None = None,
-                    row_maps: Sequence[Any] | None = None) -> tuple[list[jax.Array], jax.Array, jax.Array]:
+                    row_maps: Sequence[Any] | None = None, plan: tuple[jax.Array, jax.Array] | None = None
+                    ) -> tuple[list[jax.Array], jax.Array, jax.Array]:
     """``alltoallv`` of several arrays with one count exchange; ``perm``, ``recv_at``, ``init``, ``target`` and
     ``row_maps`` as in :func:`_chunked` (they let callers skip a permuted copy of the rows, receive into a prepared
-    buffer, place every row at its own row of the receiver, or transform rows on the way)."""
+    buffer, place every row at its own row of the receiver, or transform rows on the way). ``plan``: the
+    ``(recv_counts, largest)`` of :func:`_exchange_counts_and_max` when the caller already knows them (a route
+    travelled before, either way): no count exchange then."""
     size = axes_size(axes)
     send_counts = jnp.maximum(jnp.asarray(send_counts, jnp.int32), 0)
     if send_counts.shape != (size,):
         raise ValueError(f"send_counts must have shape ({size},) (one count per rank), got {send_counts.shape}")
-    recv_counts, largest = _exchange_counts_and_max(send_counts, axes)
+    recv_counts, largest = _exchange_counts_and_max(send_counts, axes) if plan is None else plan
     if recv_at is None:
         overflow = jnp.sum(recv_counts) > capacity
     else:

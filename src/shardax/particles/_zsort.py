@@ -153,8 +153,14 @@ def _wrapped(part: Any, kbox: KeyBox) -> Any:
     return replace_field(part, "pos", wrap(part.pos, kbox)) if kbox.periodic else part
 
 
-def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | None) -> Sorted:
-    """The local-view sort behind :func:`zsort`, with what the global wrapper needs to report."""
+def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | None, *,
+                   chunk_factor: int = 1) -> Sorted:
+    """The local-view sort behind :func:`zsort`, with what the global wrapper needs to report.
+
+    ``chunk_factor`` multiplies the rows per rank pair and round of the three exchanges: ``zsort`` keeps the default
+    (peak memory near 3x the particle data, about 16 rounds), kernels with larger working sets of their own pass 8
+    (one or two rounds each: across processes every round is a collective with milliseconds of latency).
+    """
     n, _ = check_positions(part, "zsort")
     cap = n if capacity is None else check_capacity(capacity)
     if not isinstance(equalize, bool):
@@ -196,7 +202,8 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
     send = jnp.zeros((size + 1,), jnp.int32).at[bucket].add(1)[:size]
     # Received into buffers of invalid keys, so that the padding sorts last without a masked copy.
     invalid = jnp.full((cap,), jnp.uint32(0xFFFFFFFF) - (send[0] < 0).astype(jnp.uint32), jnp.uint32)
-    (khi, klo), from_src = send_rows([hi, lo], send, cap, perm=perm, init=[invalid, invalid])
+    chunk = chunk_factor * default_chunk(cap, size)
+    (khi, klo), from_src = send_rows([hi, lo], send, cap, perm=perm, init=[invalid, invalid], chunk=chunk)
     got = jnp.sum(from_src)
     stored = jnp.minimum(got, cap)
     order = argsort_keys(khi, klo)  # ties in arrival order: by source rank, then in the source's order
@@ -214,7 +221,7 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
     kept_from = jnp.clip(cap - src_offsets, 0, from_src)
     sent_at = jnp.cumsum(send) - send
     (back,), _ = send_rows([place], kept_from, n, recv_at=sent_at, init=[_minus_ones(n, place[0])],
-                          chunk=4 * default_chunk(cap, size))  # one int32 a row: fewer, larger rounds cost little
+                          chunk=max(chunk, 4 * default_chunk(cap, size)))  # one int32 a row: larger rounds cost little
     dev, row = _device_and_row(back, first)
     placed = (rows < num) & (back >= 0)
     final_send = jnp.zeros((size + 1,), jnp.int32).at[jnp.where(placed, dev, size)].add(1)[:size]
@@ -223,7 +230,8 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
     pos_leaf = [a is part.pos for a in rows_of.leaves]  # type: ignore[attr-defined]
     maps = [(lambda p: wrap(p.reshape(-1, p.shape[-1]), kbox).reshape(p.shape)) if kbox.periodic and pos_leaf[i]
             else None for i in rows_of.rows]
-    arrays, _ = send_rows(arrays, final_send, cap, perm=perm, target=jnp.where(placed, row, -1), row_maps=maps)
+    arrays, _ = send_rows(arrays, final_send, cap, perm=perm, target=jnp.where(placed, row, -1), row_maps=maps,
+                          chunk=chunk)
     needed = jnp.maximum(got, final_num) if equalize else got
     num = jnp.minimum(final_num, cap)
     return Sorted(rows_of.unpack(arrays, num), needed > cap, needed, nonfinite, kbox)

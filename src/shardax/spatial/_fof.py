@@ -198,7 +198,7 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
     rows_needed = num
     overflow = jnp.zeros((), bool)
     if size > 1:
-        result = sort_particles(carry, box, True, n)
+        result = sort_particles(carry, box, True, n, chunk_factor=8)
         carry = result.part
         rows_needed, overflow = result.needed, result.overflow
         pieces = piece_cells(carry.pos, carry.num, result.key_box.origin.astype(dtype),
@@ -281,7 +281,7 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
             home_rank, home_row = carry.home[:, 0], carry.home[:, 1]
         back, back_counts, back_overflow, _ = exchange_columns({"row": home_row, "label": own_label},
                                                                jnp.clip(home_rank, 0, size - 1), num=num, size=size,
-                                                               capacity=n)
+                                                               capacity=n, chunk=-(-n // size))
         live = rows < jnp.sum(back_counts)
         own_label = jnp.full((n,), -1, jnp.int32).at[jnp.where(live, back["row"], n)].set(back["label"],
                                                                                          mode="drop")

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..comm import allgather, allreduce
-from ..comm._alltoallv import alltoallv_many, group_by_rank
+from ..comm._alltoallv import _exchange_counts_and_max, alltoallv_many, group_by_rank
 from ..core._rank import resolve_axes
 from ..core._vary import vary_like
 from ._catalogue import Partial, combine, min_image
@@ -57,27 +57,44 @@ class Halo(NamedTuple):
     ids: jax.Array  # (h,) ghost ids
     num: jax.Array  # ghosts received
     recv_counts: jax.Array  # (size,) ghosts received from each rank
+    largest: jax.Array  # the largest count any rank sent any rank (the rounds of an exchange over these routes)
     needed: jax.Array  # rows the send or the receive side needed
     overflow: jax.Array
 
 
+def neighbour_chunk(capacity: int, size: int) -> int:
+    """Rows per rank pair and round for the exchanges of boundary rows (ghosts, their labels, group pieces).
+
+    Their traffic goes to a few neighbouring devices, not evenly to all, so the balanced-traffic chunk of
+    ``alltoallv`` (an eighth of ``capacity / size``) would take many rounds, each one collective (milliseconds of
+    latency across processes). A whole ``capacity / size`` per pair takes one or two rounds; the round's buffers,
+    ``size * chunk`` rows of a few words, stay about the size of the ``capacity`` receive buffer.
+    """
+    return max(1, -(-capacity // size))
+
+
 def send_grouped(columns: dict[str, jax.Array], counts: jax.Array, *, capacity: int,
-                 perm: jax.Array | None = None) -> tuple[dict[str, jax.Array], jax.Array, jax.Array]:
+                 perm: jax.Array | None = None, plan: tuple[jax.Array, jax.Array] | None = None,
+                 chunk: int | None = None) -> tuple[dict[str, jax.Array], jax.Array, jax.Array]:
     """Send rows already grouped by destination rank (``counts (size,)`` rows for each rank, in rank order; or
     row ``perm[i]`` as the ``i``-th) to their ranks.
 
-    One ``alltoallv`` for all columns (it packs the 4- and 8-byte ones into one block per round). Returns
-    ``(columns, recv_counts, overflow)``: ``capacity`` rows grouped by source rank, each source's rows in the order
-    they were sent.
+    One ``alltoallv`` for all columns (it packs the 4- and 8-byte ones into one block per round). ``plan``:
+    ``(recv_counts, largest)`` when the route is known (no count exchange). ``chunk``: rows per rank pair and round
+    (default ``alltoallv``'s, for traffic spread over all ranks; :func:`neighbour_chunk` for boundary rows).
+    Returns ``(columns, recv_counts, overflow)``: ``capacity`` rows grouped by source rank, each source's rows in
+    the order they were sent.
     """
     names = list(columns)
-    outs, recv_counts, overflow = alltoallv_many([columns[k] for k in names], counts, capacity, resolve_axes(None),
-                                                 "auto", None, perm=perm)
+    axes = resolve_axes(None)
+    outs, recv_counts, overflow = alltoallv_many([columns[k] for k in names], counts, capacity, axes, "auto",
+                                                 chunk, perm=perm, plan=plan)
     return dict(zip(names, outs, strict=True)), recv_counts, overflow
 
 
 def exchange_columns(columns: dict[str, jax.Array], dest: jax.Array, *, num: jax.Array, size: int,
-                     capacity: int) -> tuple[dict[str, jax.Array], jax.Array, jax.Array, jax.Array]:
+                     capacity: int, chunk: int | None = None
+                     ) -> tuple[dict[str, jax.Array], jax.Array, jax.Array, jax.Array]:
     """Send each of the first ``num`` rows of the columns to rank ``dest[i]``.
 
     Returns ``(columns, recv_counts, overflow, perm)``: as :func:`send_grouped`, and the order the rows were sent
@@ -85,7 +102,7 @@ def exchange_columns(columns: dict[str, jax.Array], dest: jax.Array, *, num: jax
     """
     rows = jnp.arange(dest.shape[0], dtype=jnp.int32)
     perm, counts = group_by_rank(jnp.where(rows < num, dest, size), size)
-    out, recv_counts, overflow = send_grouped(columns, counts, capacity=capacity, perm=perm)
+    out, recv_counts, overflow = send_grouped(columns, counts, capacity=capacity, perm=perm, chunk=chunk)
     return out, recv_counts, overflow, perm
 
 
@@ -185,11 +202,13 @@ def exchange_ghosts(pos: jax.Array, ids: jax.Array, pieces: Pieces, linking_leng
     send_dest, send_row = flat // n, flat % n
     # Copies past the capacity are not sent (overflow); the counts say what went to each rank.
     send_counts = jnp.clip(capacity - (jnp.cumsum(per_dest) - per_dest), 0, per_dest)
-    got, recv_counts, overflow = send_grouped({"pos": pos[send_row], "ids": ids[send_row]}, send_counts,
-                                              capacity=capacity)
+    # The routes' plan is kept: the label exchanges travel the same routes (either way) with no count exchange.
+    recv_counts, largest = _exchange_counts_and_max(send_counts, resolve_axes(None))
+    got, _, overflow = send_grouped({"pos": pos[send_row], "ids": ids[send_row]}, send_counts, capacity=capacity,
+                                    plan=(recv_counts, largest), chunk=neighbour_chunk(capacity, size))
     received = jnp.sum(recv_counts)
     return Halo(send_row, send_dest, jnp.minimum(send_num, capacity), send_counts, got["pos"], got["ids"],
-                jnp.minimum(received, capacity), recv_counts, jnp.maximum(send_num, received),
+                jnp.minimum(received, capacity), recv_counts, largest, jnp.maximum(send_num, received),
                 overflow | (send_num > capacity))
 
 
@@ -207,14 +226,17 @@ def merge_labels(labels: jax.Array, component: jax.Array, halo: Halo, n: int, ca
     """
     ghost_valid = jnp.arange(capacity, dtype=jnp.int32) < halo.num
     sent = jnp.arange(capacity, dtype=jnp.int32) < halo.send_num
+    chunk = neighbour_chunk(capacity, halo.send_counts.shape[0])
 
     def step(state: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         labels, _ = state
         old = labels
-        back, _, _ = send_grouped({"label": labels[n:]}, halo.recv_counts, capacity=capacity)
+        back, _, _ = send_grouped({"label": labels[n:]}, halo.recv_counts, capacity=capacity,
+                                  plan=(halo.send_counts, halo.largest), chunk=chunk)
         own = labels[:n].at[jnp.where(sent, halo.send_row, n)].min(back["label"], mode="drop")
         labels = segment_min_labels(jnp.concatenate([own, labels[n:]]), component)
-        fwd, _, _ = send_grouped({"label": labels[:n][halo.send_row]}, halo.send_counts, capacity=capacity)
+        fwd, _, _ = send_grouped({"label": labels[:n][halo.send_row]}, halo.send_counts, capacity=capacity,
+                                 plan=(halo.recv_counts, halo.largest), chunk=chunk)
         ghosts = jnp.where(ghost_valid, jnp.minimum(labels[n:], fwd["label"]), INT_MAX)
         labels = segment_min_labels(jnp.concatenate([labels[:n], ghosts]), component)
         changed = allreduce(jnp.any(labels != old).astype(jnp.int32), "max")
