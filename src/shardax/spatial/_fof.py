@@ -279,6 +279,8 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
             home_row = carry.ids - offsets[jnp.clip(home_rank, 0, size - 1)]
         else:
             home_rank, home_row = carry.home[:, 0], carry.home[:, 1]
+        # Rounds of n / ndev rows per pair: one when the traffic is spread evenly (at most ndev when it is not); two
+        # int32 words a row, a buffer small next to the linking tables.
         back, back_counts, back_overflow, _ = exchange_columns({"row": home_row, "label": own_label},
                                                                jnp.clip(home_rank, 0, size - 1), num=num, size=size,
                                                                capacity=n, chunk=-(-n // size))
