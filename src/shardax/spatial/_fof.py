@@ -34,6 +34,7 @@ from ._fof_halo import (
     merge_labels,
     piece_cells,
     segment_min_labels,
+    share_chunk,
 )
 from ._fof_local import (
     DEFAULT_TUNING,
@@ -279,11 +280,9 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
             home_row = carry.ids - offsets[jnp.clip(home_rank, 0, size - 1)]
         else:
             home_rank, home_row = carry.home[:, 0], carry.home[:, 1]
-        # Rounds of n / ndev rows per pair: one when the traffic is spread evenly (at most ndev when it is not); two
-        # int32 words a row, a buffer small next to the linking tables.
         back, back_counts, back_overflow, _ = exchange_columns({"row": home_row, "label": own_label},
                                                                jnp.clip(home_rank, 0, size - 1), num=num, size=size,
-                                                               capacity=n, chunk=-(-n // size))
+                                                               capacity=n, chunk=share_chunk(n, size))
         live = rows < jnp.sum(back_counts)
         own_label = jnp.full((n,), -1, jnp.int32).at[jnp.where(live, back["row"], n)].set(back["label"],
                                                                                          mode="drop")

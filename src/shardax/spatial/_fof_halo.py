@@ -62,13 +62,14 @@ class Halo(NamedTuple):
     overflow: jax.Array
 
 
-def neighbour_chunk(capacity: int, size: int) -> int:
-    """Rows per rank pair and round for the exchanges of boundary rows (ghosts, their labels, group pieces).
+def share_chunk(capacity: int, size: int) -> int:
+    """Rows per rank pair and round when a whole ``capacity / size`` share travels in one round.
 
-    Their traffic goes to a few neighbouring devices, not evenly to all, so the balanced-traffic chunk of
-    ``alltoallv`` (an eighth of ``capacity / size``) would take many rounds, each one collective (milliseconds of
-    latency across processes). A whole ``capacity / size`` per pair takes one or two rounds; the round's buffers,
-    ``size * chunk`` rows of a few words, stay about the size of the ``capacity`` receive buffer.
+    For the exchanges of boundary rows (ghosts and their labels), whose traffic goes to a few neighbouring devices,
+    and for the labels home, spread evenly over all: ``alltoallv``'s default chunk (an eighth of the share, sized for
+    the memory of a sort) would take many rounds, each one collective (milliseconds of latency across processes).
+    With a whole share, even traffic takes one round, neighbour traffic one or two (at most ``size``); a round's
+    buffers, ``size * chunk`` rows of a few words, stay about the size of the ``capacity`` receive buffer.
     """
     return max(1, -(-capacity // size))
 
@@ -81,7 +82,7 @@ def send_grouped(columns: dict[str, jax.Array], counts: jax.Array, *, capacity: 
 
     One ``alltoallv`` for all columns (it packs the 4- and 8-byte ones into one block per round). ``plan``:
     ``(recv_counts, largest)`` when the route is known (no count exchange). ``chunk``: rows per rank pair and round
-    (default ``alltoallv``'s, for traffic spread over all ranks; :func:`neighbour_chunk` for boundary rows).
+    (default ``alltoallv``'s, sized for a sort's memory; :func:`share_chunk` for one round of a whole share).
     Returns ``(columns, recv_counts, overflow)``: ``capacity`` rows grouped by source rank, each source's rows in
     the order they were sent.
     """
@@ -205,7 +206,7 @@ def exchange_ghosts(pos: jax.Array, ids: jax.Array, pieces: Pieces, linking_leng
     # The routes' plan is kept: the label exchanges travel the same routes (either way) with no count exchange.
     recv_counts, largest = _exchange_counts_and_max(send_counts, resolve_axes(None))
     got, _, overflow = send_grouped({"pos": pos[send_row], "ids": ids[send_row]}, send_counts, capacity=capacity,
-                                    plan=(recv_counts, largest), chunk=neighbour_chunk(capacity, size))
+                                    plan=(recv_counts, largest), chunk=share_chunk(capacity, size))
     received = jnp.sum(recv_counts)
     return Halo(send_row, send_dest, jnp.minimum(send_num, capacity), send_counts, got["pos"], got["ids"],
                 jnp.minimum(received, capacity), recv_counts, largest, jnp.maximum(send_num, received),
@@ -226,7 +227,7 @@ def merge_labels(labels: jax.Array, component: jax.Array, halo: Halo, n: int, ca
     """
     ghost_valid = jnp.arange(capacity, dtype=jnp.int32) < halo.num
     sent = jnp.arange(capacity, dtype=jnp.int32) < halo.send_num
-    chunk = neighbour_chunk(capacity, halo.send_counts.shape[0])
+    chunk = share_chunk(capacity, halo.send_counts.shape[0])
 
     def step(state: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         labels, _ = state
