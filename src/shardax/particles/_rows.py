@@ -60,8 +60,8 @@ def resize_rows(arrays: list[jax.Array], capacity: int) -> list[jax.Array]:
 
 def send_rows(arrays: list[jax.Array], send_counts: jax.Array, capacity: int, *, perm: jax.Array | None = None,
               recv_at: jax.Array | None = None, init: list[jax.Array] | None = None,
-              target: jax.Array | None = None, row_maps: list[Any] | None = None, chunk: int | None = None
-              ) -> tuple[list[jax.Array], jax.Array]:
+              target: jax.Array | None = None, row_maps: list[Any] | None = None, chunk: int | None = None,
+              plan: tuple[jax.Array, jax.Array] | None = None) -> tuple[list[jax.Array], jax.Array]:
     """``alltoallv`` of every array with the same ``send_counts`` (one count exchange, and one ``all_to_all`` per
     round for all 4- and 8-byte arrays together); returns the arrays and the rows received from each rank
     (`(size,)` int32).
@@ -71,8 +71,9 @@ def send_rows(arrays: list[jax.Array], send_counts: jax.Array, capacity: int, *,
     ``target``: `(n,)` int32 row of the receiver each sent row goes to (aligned with the send order, i.e. with
     ``perm`` when given; sent along; rows outside ``[0, capacity)`` are dropped), instead of blocks packed by source. ``row_maps``: per array, ``None``
     or an elementwise function applied to its rows on the way. ``chunk``: rows per rank pair and round (default
-    :func:`shardax.comm._alltoallv.default_chunk`).
+    :func:`shardax.comm._alltoallv.default_chunk`). ``plan``: ``(recv_counts, largest)`` when the caller already knows
+    them (the rows each rank sends me, and the largest count any rank sends any rank): no count exchange then.
     """
     outs, recv, _ = alltoallv_many(arrays, send_counts, capacity, resolve_axes(None), "auto", chunk, perm=perm,
-                                    recv_at=recv_at, init=init, target=target, row_maps=row_maps)
+                                    recv_at=recv_at, init=init, target=target, row_maps=row_maps, plan=plan)
     return outs, recv

@@ -1,8 +1,8 @@
 """Distributed z-order sort: a sample sort into global Morton order, optionally cut into equal pieces.
 
 Each device keys its particles, draws stratified random samples of them, and all devices agree on ``ndev - 1``
-splitters by weighted quantiles of the gathered samples. Splitters are full ``(key, global input index)`` pairs, so
-duplicate keys (even every particle at one point) are split like distinct ones. Each device sorts its own keys once
+splitters by weighted quantiles of the gathered samples. Splitters are full ``(key, rank, row)`` triples (``rank, row``
+is global input order), so duplicate keys (even every particle at one point) are split like distinct ones. Each device sorts its own keys once
 and finds every row's bucket by binary search over the splitters (its sorted rows are then grouped by bucket). The
 particle data then moves once:
 
@@ -52,6 +52,7 @@ class Sorted(NamedTuple):
     needed: jax.Array
     nonfinite: jax.Array
     key_box: KeyBox
+    worst: jax.Array  # the largest ``needed`` over all devices (the same on every device)
 
 
 def check_capacity(capacity: Any, name: str = "capacity") -> int:
@@ -75,13 +76,19 @@ def _less(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> jax.Array:
     return out
 
 
-def _splitters(words: tuple[jax.Array, ...], num: jax.Array, total: jax.Array, size: int) -> tuple[jax.Array, ...]:
-    """``size - 1`` splitters (words of ``(key hi, key lo, global index)``) cutting the global order evenly.
+def _splitters(words: tuple[jax.Array, ...], num: jax.Array, stats: jax.Array, size: int
+               ) -> tuple[tuple[jax.Array, ...], jax.Array]:
+    """``size - 1`` splitters (words of ``(key hi, key lo, tie...)``) cutting the global order evenly, and every
+    device's ``stats``.
 
     Every device contributes ``s`` stratified random samples of its rows (one per stratum of ``num / s`` rows, from
     a fixed seed), each standing for ``num / s`` particles; splitter ``j`` is the first sample in global order at
     which the cumulative weight reaches ``j * total / size``. A device then receives about ``total / size``
     particles, within a few ``total / sqrt(s * size)``; the exact counts are known before anything moves.
+
+    ``stats``: `(k,)` int32 of this device whose first word is ``num``; they travel with the samples (one
+    all-gather for both: across processes each collective costs milliseconds of latency whatever its size) and come
+    back as `(size, k)`, row ``r`` from device ``r``.
     """
     s = _num_samples(size)
     u = jax.random.uniform(jax.random.fold_in(jax.random.key(0), rank_info().rank), (s,))
@@ -90,18 +97,21 @@ def _splitters(words: tuple[jax.Array, ...], num: jax.Array, total: jax.Array, s
     has = num > 0
     samples = [jnp.where(has, w[at], jnp.asarray(jnp.iinfo(w.dtype).max, w.dtype)) for w in words]
     samples.append(jnp.where(has, jnp.full((s,), num.astype(jnp.float32) / s), 0.0))
-    # One all-gather of the samples' words and weights together (across processes each collective costs
-    # milliseconds of latency whatever its size).
-    packed = allgather(jnp.stack([lax.bitcast_convert_type(w, jnp.uint32) for w in samples], axis=1), tiled=True)
+    columns = [lax.bitcast_convert_type(w, jnp.uint32) for w in samples]
+    columns += [jnp.broadcast_to(lax.bitcast_convert_type(x, jnp.uint32), (s,)) for x in stats]
+    packed = allgather(jnp.stack(columns, axis=1), tiled=True)
+    nw = len(words)
+    per_device = lax.bitcast_convert_type(packed[::s, nw + 1:], jnp.int32)
     gathered = [lax.bitcast_convert_type(packed[:, i], w.dtype) for i, w in enumerate(samples[:-1])]
-    weight = lax.bitcast_convert_type(packed[:, -1], jnp.float32)
+    weight = lax.bitcast_convert_type(packed[:, nw], jnp.float32)
     # Stable by key: equal keys stay in gathered (rank, row) order, which is global index order.
     order = argsort_keys(gathered[0], gathered[1])
     gathered = [w[order] for w in gathered]
     weight = weight[order]
+    total = jnp.sum(per_device[:, 0])
     targets = total.astype(jnp.float32) * jnp.arange(1, size, dtype=jnp.float32) / size
     pick = jnp.clip(jnp.searchsorted(jnp.cumsum(weight), targets, side="left"), 0, s * size - 1)
-    return tuple(w[pick] for w in gathered)
+    return tuple(w[pick] for w in gathered), per_device
 
 
 def _destinations(words: tuple[jax.Array, ...], splitters: tuple[jax.Array, ...]) -> jax.Array:
@@ -109,11 +119,11 @@ def _destinations(words: tuple[jax.Array, ...], splitters: tuple[jax.Array, ...]
     search over the sorted splitters)."""
     m = splitters[0].shape[0]
     if m <= _DIRECT_MAX_SPLITTERS:
-        count = jnp.zeros_like(words[2])
+        count = jnp.zeros_like(words[-1])
         for j in range(m):
             count = count + (~_less(words, tuple(w[j] for w in splitters))).astype(jnp.int32)
         return count
-    lo = jnp.zeros_like(words[2])  # like a row-varying input: the loop carry must vary over ranks too
+    lo = jnp.zeros_like(words[-1])  # like a row-varying input: the loop carry must vary over ranks too
     hi = lo + m
 
     def step(_: int, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -183,7 +193,7 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
 
         out = with_num(map_rows(reorder, part, n), jnp.minimum(num, cap))
         # (An all-reduce over the one device: the count is then typed as the same on every device.)
-        return Sorted(_wrapped(out, kbox), num > cap, num, allreduce(nonfinite), kbox)
+        return Sorted(_wrapped(out, kbox), num > cap, num, allreduce(nonfinite), kbox, allreduce(num))
 
     # The particle data moves once. Each device first sorts its own keys: its rows are then grouped by bucket (the
     # buckets are key ranges) and, in the end, by final device. Only the keys go to their bucket, where one sort
@@ -192,36 +202,45 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
     # copy of the particles next to a sorted one, and no rows are regrouped after the first sort.
     rows_of = RowLeaves(part, n)
     perm = argsort_keys(hi, lo)  # ties in row order, which is global index order
-    # Every device's count and non-finite rows in one all-gather: the global index offset, the total and the
-    # non-finite total all come from it.
-    per_device = allgather(jnp.stack([num, nonfinite]))
+    # Equal keys are split by global input order, i.e. by (rank, row): one word ``rank * n + row`` while it fits in
+    # an int32, else two. The splitters need no global offsets, so every device's count and non-finite rows travel
+    # with the samples (the total and the non-finite total come from that one all-gather).
+    tie = (rank * n + rows,) if size * n < 2**31 else (jnp.full_like(rows, rank), rows)
+    words = (hi, lo, *tie)
+    splitters, per_device = _splitters(words, num, jnp.stack([num, nonfinite]), size)
     nonfinite = jnp.sum(per_device[:, 1])
-    offset = jnp.sum(jnp.where(jnp.arange(size) < rank, per_device[:, 0], 0))
-    words = (hi, lo, offset + rows)
-    bucket = jnp.where(valid, _destinations(words, _splitters(words, num, jnp.sum(per_device[:, 0]), size)), size)
+    bucket = jnp.where(valid, _destinations(words, splitters), size)
     send = jnp.zeros((size + 1,), jnp.int32).at[bucket].add(1)[:size]
+    # Every device's send counts, ``matrix[i, j]`` rows from device i to bucket j, in one all-gather: it gives the
+    # key exchange's plan, the buckets' sizes and the plan of the way back, where a count exchange, an all-gather
+    # of the bucket sizes and another count exchange would each be a collective.
+    matrix = allgather(send)
+    from_src = matrix[:, rank]
     # Received into buffers of invalid keys, so that the padding sorts last without a masked copy.
     invalid = jnp.full((cap,), jnp.uint32(0xFFFFFFFF) - (send[0] < 0).astype(jnp.uint32), jnp.uint32)
     chunk = chunk_factor * default_chunk(cap, size)
-    (khi, klo), from_src = send_rows([hi, lo], send, cap, perm=perm, init=[invalid, invalid], chunk=chunk)
+    (khi, klo), _ = send_rows([hi, lo], send, cap, perm=perm, init=[invalid, invalid], chunk=chunk,
+                              plan=(from_src, jnp.max(matrix)))
     got = jnp.sum(from_src)
     stored = jnp.minimum(got, cap)
     order = argsort_keys(khi, klo)  # ties in arrival order: by source rank, then in the source's order
-    counts = allgather(stored)
+    received = jnp.sum(matrix, axis=0)
+    counts = jnp.minimum(received, cap)
     first = _firsts(counts, size, equalize)
     bucket_start = jnp.sum(jnp.where(jnp.arange(size) < rank, counts, 0))
     at = jnp.arange(cap, dtype=jnp.int32) + (order[0] < -1).astype(jnp.int32)  # (computed after the sort)
     # Global position of each received key (its bucket's start plus its rank there); -1 for padding.
     place = _minus_ones(cap, order[0]).at[order].set(jnp.where(at < stored, bucket_start + at, -1),
                                                      unique_indices=True, wrap_negative_indices=False)
-    final_num = jnp.where(rank + 1 < size, first[jnp.minimum(rank + 1, size - 1)], jnp.sum(counts)) - first[rank]
+    finals = jnp.concatenate([first[1:], jnp.sum(counts, keepdims=True)]) - first  # rows each device ends with
     # Positions back along the reverse routes, into the sender's sorted order (rows past a full bucket: -1). They
-    # increase along that order, so it is grouped by final device as it is.
-    src_offsets = jnp.cumsum(from_src) - from_src
-    kept_from = jnp.clip(cap - src_offsets, 0, from_src)
+    # increase along that order, so it is grouped by final device as it is. ``kept[i, j]``: rows of device i that
+    # bucket j stored (each bucket fills in source order).
+    kept = jnp.clip(cap - (jnp.cumsum(matrix, axis=0) - matrix), 0, matrix)
     sent_at = jnp.cumsum(send) - send
-    (back,), _ = send_rows([place], kept_from, n, recv_at=sent_at, init=[_minus_ones(n, place[0])],
-                          chunk=max(chunk, 4 * default_chunk(cap, size)))  # one int32 a row: larger rounds cost little
+    (back,), _ = send_rows([place], kept[:, rank], n, recv_at=sent_at, init=[_minus_ones(n, place[0])],
+                          chunk=max(chunk, 4 * default_chunk(cap, size)),  # one int32 a row: larger rounds cost little
+                          plan=(kept[rank], jnp.max(kept)))
     dev, row = _device_and_row(back, first)
     placed = (rows < num) & (back >= 0)
     final_send = jnp.zeros((size + 1,), jnp.int32).at[jnp.where(placed, dev, size)].add(1)[:size]
@@ -232,9 +251,9 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
             else None for i in rows_of.rows]
     arrays, _ = send_rows(arrays, final_send, cap, perm=perm, target=jnp.where(placed, row, -1), row_maps=maps,
                           chunk=chunk)
-    needed = jnp.maximum(got, final_num) if equalize else got
-    num = jnp.minimum(final_num, cap)
-    return Sorted(rows_of.unpack(arrays, num), needed > cap, needed, nonfinite, kbox)
+    needed = jnp.maximum(received, finals) if equalize else received  # every device's, known everywhere
+    num = jnp.minimum(finals[rank], cap)
+    return Sorted(rows_of.unpack(arrays, num), needed[rank] > cap, needed[rank], nonfinite, kbox, jnp.max(needed))
 
 
 @overload
@@ -330,11 +349,11 @@ def _constructed(mesh: Mesh | None, jit: bool, donate: bool) -> Callable[..., An
         fn = cache.get(key)
         if fn is None:
             def body(leaves: list[jax.Array], box_arg: Any) -> tuple:
-                result = sort_particles(jax.tree.unflatten(treedef, leaves), box if static_box else box_arg,
-                                        equalize, capacity)
-                # One all-reduce for both flags.
-                worst = allreduce(jnp.stack([result.overflow.astype(jnp.int32), result.needed]), "max")
-                flags = (worst[0], worst[1], result.nonfinite)
+                local = jax.tree.unflatten(treedef, leaves)
+                result = sort_particles(local, box if static_box else box_arg, equalize, capacity)
+                # Every device knows the largest need: no collective for the flags.
+                cap = capacity if capacity is not None else jnp.shape(local.pos)[0]
+                flags = (result.worst > cap, result.worst, result.nonfinite)
                 dom = domain_of(result.part, result.key_box, num_cells) if return_domain else None
                 return result.part, result.overflow, flags, dom
 
