@@ -1,10 +1,10 @@
 """Distributed z-order sort: a sample sort into global Morton order, optionally cut into equal pieces.
 
 Each device keys its particles, draws stratified random samples of them, and all devices agree on ``ndev - 1``
-splitters by weighted quantiles of the gathered samples. Splitters are full ``(key, rank, row)`` triples (``rank, row``
-is global input order), so duplicate keys (even every particle at one point) are split like distinct ones. Each device sorts its own keys once
-and finds every row's bucket by binary search over the splitters (its sorted rows are then grouped by bucket). The
-particle data then moves once:
+splitters by weighted quantiles of the gathered samples. Splitters are full ``(key, rank, row)`` triples (``rank,
+row`` is global input order), so duplicate keys (even every particle at one point) are split like distinct ones.
+Each device sorts its own keys once and finds every row's bucket by binary search over the splitters (its sorted
+rows are then grouped by bucket). The particle data then moves once:
 
 1. only the keys go to their bucket's device (``alltoallv``), which sorts them, once (keys arrive grouped by source
    rank, each source's in its sorted order, so equal keys stay in global input order) and so knows each key's global
