@@ -237,12 +237,13 @@ def test_zsort_overflow_raises(shape: tuple[int, ...]) -> None:
 
 
 def test_zsort_fallback_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The paths for many rows per device (two LSD passes instead of MSD + refinement) and many devices (binary
-    search over the splitters), on 3 devices."""
+    """The paths for many rows per device (two LSD passes instead of MSD + refinement), many devices (binary
+    search over the splitters) and many rows in all (ties split by two words), on 3 devices."""
     from shardax.particles import _sort, _zsort
 
     monkeypatch.setattr(_sort, "_MSD_MAX_BITS", 0)
     monkeypatch.setattr(_zsort, "_DIRECT_MAX_SPLITTERS", 0)
+    monkeypatch.setattr(_zsort, "_ONE_WORD_TIES", 0)
     mesh = Mesh(np.array(jax.devices()[5:8]), ("x",))  # a mesh no other test compiles for
     pos, counts = cases(np.random.default_rng(4), 3)["duplicates_boundary"]
     part = layout(mesh, pos, counts, cap=N)

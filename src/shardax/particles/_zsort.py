@@ -62,6 +62,8 @@ def check_capacity(capacity: Any, name: str = "capacity") -> int:
 
 
 _DIRECT_MAX_SPLITTERS = 32
+# Ties between equal keys are split by one word ``rank * n + row`` below this many rows in all, else by two.
+_ONE_WORD_TIES = 2**31
 
 
 def _num_samples(size: int) -> int:
@@ -119,11 +121,11 @@ def _destinations(words: tuple[jax.Array, ...], splitters: tuple[jax.Array, ...]
     search over the sorted splitters)."""
     m = splitters[0].shape[0]
     if m <= _DIRECT_MAX_SPLITTERS:
-        count = jnp.zeros_like(words[-1])
+        count = jnp.zeros_like(words[0], dtype=jnp.int32)
         for j in range(m):
             count = count + (~_less(words, tuple(w[j] for w in splitters))).astype(jnp.int32)
         return count
-    lo = jnp.zeros_like(words[-1])  # like a row-varying input: the loop carry must vary over ranks too
+    lo = jnp.zeros_like(words[0], dtype=jnp.int32)  # like a row-varying input: the loop carry must vary over ranks too
     hi = lo + m
 
     def step(_: int, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -205,7 +207,7 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
     # Equal keys are split by global input order, i.e. by (rank, row): one word ``rank * n + row`` while it fits in
     # an int32, else two. The splitters need no global offsets, so every device's count and non-finite rows travel
     # with the samples (the total and the non-finite total come from that one all-gather).
-    tie = (rank * n + rows,) if size * n < 2**31 else (jnp.full_like(rows, rank), rows)
+    tie = (rank * n + rows,) if size * n < _ONE_WORD_TIES else (jnp.full_like(rows, rank), rows)
     words = (hi, lo, *tie)
     splitters, per_device = _splitters(words, num, jnp.stack([num, nonfinite]), size)
     nonfinite = jnp.sum(per_device[:, 1])
