@@ -456,15 +456,34 @@ def test_mesh_with_explicit_axes():
 
 
 def test_explicit_context_mesh_eager_and_inside_jit():
-    """Under jax.set_mesh of a mesh with explicit axes, no mesh argument: eagerly (an array made in the context) and
-    inside the caller's jit (an array made outside it: a traced array with explicit axes is not supported there)."""
+    """Under jax.set_mesh of a mesh with explicit axes, no mesh argument: eagerly, inside the caller's jit on an
+    array made outside the context, and inside jit on arrays made in it (traced with explicit axes: the call runs
+    under ``auto_axes`` and its outputs are typed on the explicit mesh)."""
     rng = np.random.default_rng(6)
     m = rng.standard_normal((24, 24))
     a = (m @ m.T / 24 + np.eye(24)).astype(np.float32)
+    b = rng.standard_normal((24, 2)).astype(np.float32)
     want = np.linalg.cholesky(a)
     outside = jnp.asarray(a)
-    with jax.set_mesh(jax.make_mesh((8,), ("x",))):
+    mesh = jax.make_mesh((8,), ("x",))
+    with jax.set_mesh(mesh):
         eager = sx.linalg.potrf(jnp.asarray(a), tile=4)
         inside = jax.jit(lambda y: sx.linalg.potrf(y, tile=4))(outside)
-    np.testing.assert_allclose(np.asarray(eager), want, rtol=2e-4, atol=2e-4)
-    np.testing.assert_allclose(np.asarray(inside), want, rtol=2e-4, atol=2e-4)
+        rows = jax.device_put(jnp.asarray(a), NamedSharding(mesh, P("x", None)))
+        rhs = jnp.asarray(b)
+        x, logdet, status = jax.jit(lambda y, r: sx.linalg.potrs(y, r, tile=4, return_logdet=True,
+                                                                 return_status=True))(rows, rhs)
+        factor = jax.jit(lambda y: sx.linalg.potrf(y, tile=4))(rows)
+        inverse, inverse_status = jax.jit(lambda y: sx.linalg.potri(y, tile=4, return_status=True))(rows)
+        w, v = jax.jit(sx.linalg.syevd)(rows)
+        w_jacobi = jax.jit(lambda y: sx.linalg.syevd(y, method="jacobi", return_eigenvectors=False))(rows)
+    for got in (eager, inside, factor):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-4)
+    assert jax.typeof(factor).sharding.spec == P("x", None) and x.shape == b.shape
+    np.testing.assert_allclose(np.asarray(x), sl.cho_solve(sl.cho_factor(a), b), rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(float(logdet), np.linalg.slogdet(a)[1], rtol=1e-4, atol=1e-4)
+    assert int(status) == 0 and int(inverse_status) == 0
+    np.testing.assert_allclose(np.asarray(inverse), np.linalg.inv(a), rtol=2e-3, atol=2e-3)
+    for eigenvalues in (w, w_jacobi):
+        np.testing.assert_allclose(np.asarray(eigenvalues), np.linalg.eigvalsh(a), rtol=1e-4, atol=1e-4)
+    check_eigh(a, w, v, np.float32)

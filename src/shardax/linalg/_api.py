@@ -21,8 +21,10 @@ from ._checks import (
     computing_mesh,
     computing_on,
     enter,
+    explicit_avals,
     onto,
     resolve_mesh,
+    under_auto_axes,
 )
 from ._core import solve_local
 from ._layout import BlockCyclic, cyclic_spec, from_cyclic, to_cyclic
@@ -33,6 +35,10 @@ from ._syevd import jacobi_eigh_local, tridiagonal_eigh_local, tridiagonal_layou
 
 def _constrain(x: jax.Array, sharding: NamedSharding | None) -> jax.Array:
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _spec(x: Any) -> PartitionSpec:
+    return jax.typeof(x).sharding.spec
 
 
 def _reshard(x: Any, sharding: NamedSharding | None) -> Any:
@@ -95,7 +101,8 @@ def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_s
         T_A: jaxmg's name for ``tile``.
         mesh: the mesh; default the mesh ``a`` is sharded on, else the context mesh, else ``sx.flat_mesh()``.
             Explicit axes (``jax.make_mesh``'s default) are fine: the work runs on the same devices with automatic
-            axes, and the results come back in the inputs' shardings.
+            axes, and the results come back in the inputs' shardings (inside ``jit`` under ``jax.set_mesh`` of
+            such a mesh, through ``jax.sharding.auto_axes``).
         in_specs: jaxmg's ``(spec_a, spec_b)``.
         tile: block size (default 256, or 128 when ``N`` leaves fewer than 16 blocks of 256 per device; reduced for
             small ``N`` so that padding stays below a block per device).
@@ -118,6 +125,12 @@ def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_s
     size = check_tile(tile, T_A)
     check_matrix(a)
     check_rhs(b, a)
+    if explicit_avals(a, b):  # inside jit under an explicit context mesh
+        specs = (_spec(b),) + ((PartitionSpec(),) if return_logdet else ()) + ((PartitionSpec(),) if return_status
+                                                                                else ())
+        return under_auto_axes(lambda a, b: potrs(a, b, T_A, mesh, in_specs, tile=tile, return_status=return_status,
+                                                  return_logdet=return_logdet), (a, b),
+                               specs[0] if len(specs) == 1 else specs)
     user_mesh = resolve_mesh(mesh, a)
     a, b = apply_in_specs(a, b, user_mesh, in_specs)
     the_mesh = computing_mesh(user_mesh)
@@ -183,6 +196,9 @@ def _factor_api(a: Any, tile: int | None, mesh: Mesh | None, return_status: bool
     check_flag(return_status, "return_status")
     size = check_tile(tile)
     check_matrix(a)
+    if explicit_avals(a):  # inside jit under an explicit context mesh
+        return under_auto_axes(lambda a: _factor_api(a, tile, mesh, return_status, inverse=inverse), (a,),
+                               (_spec(a), PartitionSpec()) if return_status else _spec(a))
     user_mesh = resolve_mesh(mesh, a)
     the_mesh = computing_mesh(user_mesh)
     a, a_sharding, a_back = enter(a, user_mesh, the_mesh)
@@ -319,6 +335,12 @@ def syevd(a: Any, *, mesh: Mesh | None = None, return_eigenvectors: bool = True,
     check_matrix(a)
     if method not in ("tridiagonal", "jacobi"):
         raise ValueError(f"method must be 'tridiagonal' or 'jacobi', got {method!r}")
+    if explicit_avals(a):  # inside jit under an explicit context mesh
+        specs = (PartitionSpec(),) + ((_spec(a),) if return_eigenvectors else ()) + ((PartitionSpec(),)
+                                                                                     if return_status else ())
+        return under_auto_axes(lambda a: syevd(a, mesh=mesh, return_eigenvectors=return_eigenvectors,
+                                               return_status=return_status, max_sweeps=max_sweeps, method=method),
+                               (a,), specs[0] if len(specs) == 1 else specs)
     user_mesh = resolve_mesh(mesh, a)
     the_mesh = computing_mesh(user_mesh)
     a, a_sharding, a_back = enter(a, user_mesh, the_mesh)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -91,6 +91,23 @@ def computing_mesh(mesh: Mesh) -> Mesh:
     if AxisType.Explicit not in mesh.axis_types:
         return mesh
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def explicit_avals(*xs: Any) -> bool:
+    """Whether any of ``xs`` is a tracer typed on a mesh with explicit axes (inside ``jit`` under a ``jax.set_mesh``
+    context of such a mesh): the call then runs under ``jax.sharding.auto_axes`` (see :func:`under_auto_axes`)."""
+    for x in xs:
+        if isinstance(x, Tracer):
+            mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+            if mesh is not None and AxisType.Explicit in getattr(mesh, "axis_types", ()):
+                return True
+    return False
+
+
+def under_auto_axes(fn: Callable[..., Any], args: tuple, out_specs: Any) -> Any:
+    """``fn(*args)`` with the explicit mesh axes made automatic around it, its outputs typed ``out_specs`` (a
+    ``PartitionSpec`` or a tuple of them) on the explicit mesh again."""
+    return jax.sharding.auto_axes(fn, out_sharding=out_specs)(*args)
 
 
 @contextlib.contextmanager
