@@ -23,7 +23,8 @@ def halo_exchange(x: jax.Array, width: int | Sequence[int], *, axes: Sequence[st
 
     Args:
         x: the local block, ``(n_0, n_1, ...)``.
-        width: halo cells per side, one int for every split dimension or one per entry of ``axes``.
+        width: halo cells per side: an int (the same for every split dimension), or one int per entry of ``axes``
+            (entries whose axis is ``None`` are ignored). At most the local block's length along that dimension.
         axes: for each leading dimension of ``x``, the mesh axis (or tuple of axes) it is split over, or ``None``.
         periodic: wrap around at the ends; else the outer halos are zeros.
 
