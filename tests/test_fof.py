@@ -217,6 +217,22 @@ def test_capacity_error_names_the_argument() -> None:
     np.testing.assert_array_equal(got, want)
 
 
+def test_halo_capacity_overflow_then_retry_on_eight_devices() -> None:
+    """Too few ghost rows: an error naming halo_capacity with what a device needed; that size gives exact labels
+    (with a linking length this large, particles near corners go to several devices)."""
+    mesh = make_mesh((8,))
+    pos = np.random.default_rng(5).random((4000, 3)).astype(np.float32)
+    part = sx.particles.from_numpy(pos, mesh=mesh)
+    with pytest.raises(sx.CapacityError, match="halo_capacity") as err:
+        fof.smap(mesh)(part, 0.08, box=1.0, min_members=2, halo_capacity=16)
+    assert err.value.argument == "halo_capacity" and err.value.needed > 16
+    res = fof.smap(mesh)(part, 0.08, box=1.0, min_members=2, halo_capacity=err.value.needed)
+    assert int(np.max(np.asarray(res.needed)[:, 1])) <= err.value.needed
+    want = reference_labels(pos, 0.08, 1.0, 2)
+    got = labels_by_input_index(np.asarray(res.labels), np.asarray(part.ids), np.asarray(part.num), len(pos))
+    np.testing.assert_array_equal(got, want)
+
+
 def test_piece_space_unwraps_a_piece_across_the_box_edge() -> None:
     """A piece touching both ends of the box on x is gridded open there (unwrapped), periodic on y (full span)."""
     rng = np.random.default_rng(11)
