@@ -90,8 +90,10 @@ def _chunked(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: j
     ``init`` (the buffers the received rows are written into; default zeros) and ``target`` (`(n,)` int32 aligned
     with the send order, i.e. with ``perm`` when it is given: the row of the receive buffer each sent row goes to,
     sent along with it; rows outside ``[0, capacity)`` are dropped; overrides ``recv_at``). ``row_maps``: per array,
-    ``None`` or an elementwise function applied to its rows as they are sent (e.g. wrapping positions into a periodic
-    box without a wrapped copy of the whole array). ``largest``: the largest send count over all ranks (from
+    ``None`` or a function applied to its rows as they are sent (e.g. wrapping positions into a periodic box without
+    a wrapped copy of the whole array); it maps `(..., rows, *trailing)` to `(..., rows, *other)` row by row and may
+    change the trailing shape and dtype (e.g. positions into their sort keys), in which case ``init`` gives the
+    received buffers' shape and dtype. ``largest``: the largest send count over all ranks (from
     :func:`_exchange_counts_and_max`); it fixes the number of rounds.
     """
     c = chunk or default_chunk(capacity, size)
@@ -111,7 +113,7 @@ def _chunked(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: j
 
     # Arrays of 4- and 8-byte elements travel together: each round packs their rows into the columns of one uint32
     # block (one all_to_all per round, and no packed copy of the whole arrays); other widths travel alone.
-    packed = [k for k, a in enumerate(arrays) if a.dtype.itemsize in (4, 8)]
+    packed = [k for k, o in enumerate(outs) if o.dtype.itemsize in (4, 8)]  # as received (after any row map)
     loose = [k for k in range(len(arrays)) if k not in packed]
 
     def words(x: jax.Array) -> jax.Array:  # (..., rows, *trailing) -> (..., rows, columns) uint32
@@ -162,12 +164,12 @@ def _chunked(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: j
             col = 0
             for k, block in zip(packed, blocks, strict=True):
                 width = block.shape[-1]
-                rows = unwords(recv[:, col:col + width], arrays[k])
+                rows = unwords(recv[:, col:col + width], outs[k])  # the received shape (a row map may change it)
                 col += width
                 new[k] = outs[k].at[dest].set(rows, mode="drop")
         for k in loose:
             recv = send(gather(k, idx))  # after ``dest`` (which ``target`` may set)
-            new[k] = outs[k].at[dest].set(recv.reshape(size * c, *arrays[k].shape[1:]), mode="drop")
+            new[k] = outs[k].at[dest].set(recv.reshape(size * c, *outs[k].shape[1:]), mode="drop")
         return new
 
     return lax.fori_loop(jnp.int32(0), jnp.maximum(rounds, 1).astype(jnp.int32), one_round, outs)

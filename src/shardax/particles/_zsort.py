@@ -66,6 +66,17 @@ _DIRECT_MAX_SPLITTERS = 32
 _ONE_WORD_TIES = 2**31
 
 
+# Rows per rank pair and round of the key exchange and of the positions' way back, in units of ``default_chunk``
+# (the rows exchange's: about six rounds for near-balanced traffic). The keys are computed from the positions as they
+# are sent, so that no copy of them is held during their exchange: rounds three times as large (two for
+# near-balanced traffic) then fit under the peak set elsewhere, and across processes every round is a collective with
+# milliseconds of latency. The positions' way back takes three rounds: with two (``_BACK_ROUNDS = 4``) XLA's schedule
+# holds more buffers at once and the compiled peak grows from 2.82x to 2.97x the particle buffers (8 devices,
+# capacity factor 1.25; 2.80x to 2.97x with the input donated).
+_KEY_ROUNDS = 3
+_BACK_ROUNDS = 2
+
+
 def _num_samples(size: int) -> int:
     return max(16, min(2048, 128 * size, 2**20 // size))
 
@@ -170,7 +181,7 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
     """The local-view sort behind :func:`zsort`, with what the global wrapper needs to report.
 
     ``chunk_factor`` multiplies the rows per rank pair and round of the three exchanges: ``zsort`` keeps the default
-    (peak memory near 3x the particle data, about 16 rounds), kernels with larger working sets of their own pass 8
+    (peak memory under 3x the particle data, about 11 rounds), kernels with larger working sets of their own pass 8
     (one or two rounds each: across processes every round is a collective with milliseconds of latency).
     """
     n, _ = check_positions(part, "zsort")
@@ -218,11 +229,20 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
     # of the bucket sizes and another count exchange would each be a collective.
     matrix = allgather(send)
     from_src = matrix[:, rank]
-    # Received into buffers of invalid keys, so that the padding sorts last without a masked copy.
-    invalid = jnp.full((cap,), jnp.uint32(0xFFFFFFFF) - (send[0] < 0).astype(jnp.uint32), jnp.uint32)
+    # The keys travel as one (hi, lo) pair of columns per row, computed again from the positions on the way (no copy
+    # of them is held during the exchange, see _KEY_ROUNDS). Received into a buffer of invalid keys, so that the
+    # padding sorts last without a masked copy.
+    invalid = jnp.full((cap, 2), jnp.uint32(0xFFFFFFFF) - (send[0] < 0).astype(jnp.uint32), jnp.uint32)
     chunk = chunk_factor * default_chunk(cap, size)
-    (khi, klo), _ = send_rows([hi, lo], send, cap, perm=perm, init=[invalid, invalid], chunk=chunk,
-                              plan=(from_src, jnp.max(matrix)))
+
+    def keys_of(p: jax.Array) -> jax.Array:  # (..., rows, d) positions -> (..., rows, 2) key words
+        flat = p.reshape(-1, p.shape[-1])
+        return jnp.stack(morton_key(flat, kbox), axis=-1).reshape(*p.shape[:-1], 2)
+
+    (keys,), _ = send_rows([pos], send, cap, perm=perm, init=[invalid], row_maps=[keys_of],
+                           chunk=max(chunk, int(_KEY_ROUNDS * default_chunk(cap, size))),
+                           plan=(from_src, jnp.max(matrix)))
+    khi, klo = keys[:, 0], keys[:, 1]
     got = jnp.sum(from_src)
     stored = jnp.minimum(got, cap)
     order = argsort_keys(khi, klo)  # ties in arrival order: by source rank, then in the source's order
@@ -241,7 +261,7 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
     kept = jnp.clip(cap - (jnp.cumsum(matrix, axis=0) - matrix), 0, matrix)
     sent_at = jnp.cumsum(send) - send
     (back,), _ = send_rows([place], kept[:, rank], n, recv_at=sent_at, init=[_minus_ones(n, place[0])],
-                          chunk=max(chunk, 4 * default_chunk(cap, size)),  # one int32 a row: larger rounds cost little
+                          chunk=max(chunk, int(_BACK_ROUNDS * default_chunk(cap, size))),
                           plan=(kept[rank], jnp.max(kept)))
     dev, row = _device_and_row(back, first)
     placed = (rows < num) & (back >= 0)
@@ -318,7 +338,7 @@ def _global_zsort(mesh: Mesh | None = None, *, jit: bool = True, donate: bool = 
 
     ``donate=True`` (needs ``jit=True``) hands the input particles' buffers to the sort: the sorted fields are
     written into them when ``capacity`` is the input's (the default); the compiled peak memory per device drops a
-    little (2.97x -> 2.78x the particle buffers on 8 devices, see docs/particles.md). The input cannot be used
+    little (2.82x -> 2.80x the particle buffers on 8 devices, see docs/particles.md). The input cannot be used
     afterwards, even when the call raises ``CapacityError``: keep what you need to retry (e.g. the host arrays you
     built it from).
     """
