@@ -8,7 +8,8 @@ exchanges at two sizes: they grow like the surface of a device's piece (``N**(2/
     python benchmarks/fof.py --n 1000000 --repeat 3 --processes 2
 
 Medians of ``--repeat`` timed calls after one warm-up (compilation) call; the 1-device and 8-device calls are timed
-round-robin, so that their ratio is measured under one load (the 2x4 launch is a separate run).
+round-robin, so that their ratio is measured under one load; the 2x4 launch is a separate run, which times the
+1-device call (on process 0, the other process waiting at a barrier) round-robin with the 2x4 one for its ratio.
 """
 
 from __future__ import annotations
@@ -73,19 +74,67 @@ def _ghost_rows(res) -> float:
     return float(np.mean(np.asarray(needed)[:, 1]))
 
 
-def worker(n: int, repeat: int, bs: list[float]) -> dict:
-    """Timings on all devices of this run (used on its own by the multi-process launch)."""
+def single_device_fof(pos: np.ndarray, linking_length: float):
+    """A timed callable running the local-view ``fof`` under ``jax.jit`` on this process's first device, on the
+    buffers ``from_numpy`` would build for one device (capacity ``ceil(1.25 n)``, ``ids`` the row numbers)."""
+    import math
+
     import jax
+    import jax.numpy as jnp
+
+    from shardax.particles import Particles
+    from shardax.spatial._fof import fof
+
+    n = len(pos)
+    cap = math.ceil(1.25 * n)
+    padded = np.zeros((cap, pos.shape[1]), pos.dtype)
+    padded[:n] = pos
+    part = Particles(pos=jnp.asarray(padded), num=jnp.int32(n), ids=jnp.arange(cap, dtype=jnp.int32))
+    fn = jax.jit(lambda p: fof(p, linking_length, box=1.0, min_members=2))
+
+    def run():
+        jax.block_until_ready(fn(part).labels)
+
+    run()
+    return run
+
+
+def worker(n: int, repeat: int, bs: list[float]) -> dict:
+    """Timings on all devices of this run (used on its own by the multi-process launch).
+
+    Round-robin with the 1-device call on process 0's first device: each round process 0 times that call while the
+    other processes wait at a barrier of the coordination service (a blocking call, which leaves the cores to process
+    0), then all time the call on every device. The ratio of the two is then measured under one load.
+    """
+    import jax
+    from jax._src import distributed
 
     import shardax as sx
 
     sx.initialize()
     pos = np.random.default_rng(0).random((n, 3)).astype(np.float32)
+    lead = jax.process_index() == 0
+    client = distributed.global_state.client if jax.process_count() > 1 else None
     out = {}
     for b in bs:
-        run, res = shardax_fof(pos, b / n ** (1 / 3), 0)
-        out[f"b={b}"] = {"time": _median_time(run, repeat), "ghost_rows": _ghost_rows(res),
-                         "devices": jax.device_count()}
+        ll = b / n ** (1 / 3)
+        run, res = shardax_fof(pos, ll, 0)
+        run()
+        one = single_device_fof(pos, ll) if lead else None
+        times: dict[str, list[float]] = {"all": [], "one": []}
+        for i in range(repeat):
+            if one is not None:
+                start = time.perf_counter()
+                one()
+                times["one"].append(time.perf_counter() - start)
+            if client is not None:
+                client.wait_at_barrier(f"fof-benchmark-{b}-{i}", 3_600_000)
+            start = time.perf_counter()
+            run()
+            times["all"].append(time.perf_counter() - start)
+        out[f"b={b}"] = {"time": float(np.median(times["all"])), "ghost_rows": _ghost_rows(res),
+                         "devices": jax.device_count(),
+                         "one_device": float(np.median(times["one"])) if times["one"] else None}
     return out
 
 
@@ -145,12 +194,16 @@ def main() -> None:
                 raise RuntimeError(f"multi-process run failed:\n{launched.output[-3000:]}")
             mp = json.loads(lines[0].split("RESULT ", 1)[1])[f"b={b}"]
             case[f"shardax {ns.processes}x4"] = mp["time"]
+            case[f"shardax 1 dev, {ns.processes}x4 launch"] = mp["one_device"]
             case[f"ghost rows/dev {ns.processes}x4"] = mp["ghost_rows"]
         results["cases"][f"b={b}"] = case
         single = case["shardax 1 dev"]
         print(f"b={b}: " + ", ".join(f"{k} {v:.3f}{'' if 'ghost' in k else ' s'}" for k, v in case.items())
               + f" | 1 dev / scipy = {single / case['scipy']:.2f}x, 8 dev / 1 dev = "
-              f"{case['shardax 8 dev'] / single:.2f}x", flush=True)
+              f"{case['shardax 8 dev'] / single:.2f}x"
+              + (f", {ns.processes}x4 / 1 dev of its launch = "
+                 f"{case[f'shardax {ns.processes}x4'] / case[f'shardax 1 dev, {ns.processes}x4 launch']:.2f}x"
+                 if ns.processes else ""), flush=True)
     # Surface scaling of the exchange: ghost rows per device at n / 8 and n, on 8 devices.
     small = max(ns.n // 8, 1000)
     pos_small = np.random.default_rng(1).random((small, 3)).astype(np.float32)
