@@ -36,10 +36,6 @@ from typing import Any
 import numpy as np
 
 
-def _median_s(fn: Callable[[], Any], repeat: int) -> float:
-    return _interleaved({"fn": fn}, repeat)["fn"]
-
-
 def _interleaved(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
     """Median seconds of each function, timed round-robin so that load changes hit them alike."""
     from shardax.cli._bench_cases import time_rounds
