@@ -75,66 +75,43 @@ def _ghost_rows(res) -> float:
 
 
 def single_device_fof(pos: np.ndarray, linking_length: float):
-    """A timed callable running the local-view ``fof`` under ``jax.jit`` on this process's first device, on the
-    buffers ``from_numpy`` would build for one device (capacity ``ceil(1.25 n)``, ``ids`` the row numbers)."""
+    """A callable running the local-view ``fof`` under ``jax.jit`` on this process's first device, on the rows
+    ``from_numpy`` would build for one device (capacity ``ceil(1.25 n)``, ``ids`` the input order)."""
     import math
 
     import jax
     import jax.numpy as jnp
 
-    from shardax.particles import Particles
+    from shardax.particles import Particles, pad
     from shardax.spatial._fof import fof
 
     n = len(pos)
-    cap = math.ceil(1.25 * n)
-    padded = np.zeros((cap, pos.shape[1]), pos.dtype)
-    padded[:n] = pos
-    part = Particles(pos=jnp.asarray(padded), num=jnp.int32(n), ids=jnp.arange(cap, dtype=jnp.int32))
+    part = pad(Particles(pos=jnp.asarray(pos), num=jnp.int32(n), ids=jnp.arange(n, dtype=jnp.int32)),
+               math.ceil(1.25 * n) - n)
     fn = jax.jit(lambda p: fof(p, linking_length, box=1.0, min_members=2))
-
-    def run():
-        jax.block_until_ready(fn(part).labels)
-
-    run()
-    return run
+    return lambda: fn(part).labels
 
 
 def worker(n: int, repeat: int, bs: list[float]) -> dict:
-    """Timings on all devices of this run (used on its own by the multi-process launch).
-
-    Round-robin with the 1-device call on process 0's first device: each round process 0 times that call while the
-    other processes wait at a barrier of the coordination service (a blocking call, which leaves the cores to process
-    0), then all time the call on every device. The ratio of the two is then measured under one load.
-    """
+    """Timings on all devices of this run (used on its own by the multi-process launch), round-robin with the
+    1-device call on process 0 (the other processes wait at a barrier meanwhile, see ``time_lead_rounds``): the ratio
+    of the two is measured under one load."""
     import jax
-    from jax._src import distributed
 
     import shardax as sx
+    from shardax.cli._bench_cases import time_lead_rounds
 
     sx.initialize()
     pos = np.random.default_rng(0).random((n, 3)).astype(np.float32)
-    lead = jax.process_index() == 0
-    client = distributed.global_state.client if jax.process_count() > 1 else None
     out = {}
     for b in bs:
         ll = b / n ** (1 / 3)
         run, res = shardax_fof(pos, ll, 0)
-        run()
-        one = single_device_fof(pos, ll) if lead else None
-        times: dict[str, list[float]] = {"all": [], "one": []}
-        for i in range(repeat):
-            if one is not None:
-                start = time.perf_counter()
-                one()
-                times["one"].append(time.perf_counter() - start)
-            if client is not None:
-                client.wait_at_barrier(f"fof-benchmark-{b}-{i}", 3_600_000)
-            start = time.perf_counter()
-            run()
-            times["all"].append(time.perf_counter() - start)
-        out[f"b={b}"] = {"time": float(np.median(times["all"])), "ghost_rows": _ghost_rows(res),
+        one = single_device_fof(pos, ll) if jax.process_index() == 0 else None
+        lead_times, times = time_lead_rounds(one, run, repeat, f"fof-b{b}")
+        out[f"b={b}"] = {"time": float(np.median(times)), "ghost_rows": _ghost_rows(res),
                          "devices": jax.device_count(),
-                         "one_device": float(np.median(times["one"])) if times["one"] else None}
+                         "one_device": float(np.median(lead_times)) if lead_times else None}
     return out
 
 

@@ -98,45 +98,28 @@ def _memory_ratio(fn: Any, part: Any) -> float:
 
 
 def distributed_child(n: int, repeat: int, path: str) -> None:
-    """The 2x4 timing, round-robin with the 1-device zsort of the same points on process 0's first device.
-
-    Each round: process 0 times the 1-device call while process 1 waits at a barrier of the coordination service
-    (a blocking call: it leaves both cores to process 0), then both time the 2x4 call. The 2x4 ratio is then measured
-    in one run, under the same load as its baseline.
-    """
-    import time
-
+    """The 2x4 timing, round-robin with the 1-device zsort of the same points on process 0's first device (process 1
+    waits at a barrier meanwhile, see ``time_lead_rounds``): the 2x4 ratio is measured under one load."""
     import jax
-    from jax._src import distributed
 
     import shardax as sx
+    from shardax.cli._bench_cases import time_lead_rounds
     from shardax.particles import uniform, zsort
 
     sx.initialize()
-    lead = jax.process_index() == 0
     mesh = sx.flat_mesh()
     glob = uniform.smap(mesh)(n=n // jax.device_count(), box=1.0, seed=0)
     sort = zsort.smap(mesh)
-    name = f"zsort {jax.process_count()}x{jax.local_device_count()}"
-    if lead:
+    one = None
+    if jax.process_index() == 0:
         part = jax.jit(lambda: uniform(n, box=1.0, seed=0))()
         local = jax.jit(lambda p: zsort(p, box=1.0))
-        jax.block_until_ready(local(part))
-    jax.block_until_ready(sort(glob, box=1.0))
-    client = distributed.global_state.client
-    times: dict[str, list[float]] = {"zsort 1 device, same launch": [], name: []}
-    for i in range(repeat):
-        if lead:
-            t = time.perf_counter()
-            jax.block_until_ready(local(part))
-            times["zsort 1 device, same launch"].append(time.perf_counter() - t)
-        client.wait_at_barrier(f"zsort-benchmark-{i}", 600_000)
-        t = time.perf_counter()
-        jax.block_until_ready(sort(glob, box=1.0))
-        times[name].append(time.perf_counter() - t)
-    if lead:
+        one = lambda: local(part)  # noqa: E731
+    lead_times, times = time_lead_rounds(one, lambda: sort(glob, box=1.0), repeat, "zsort")
+    if jax.process_index() == 0:
         with open(path, "w") as f:
-            json.dump({k: statistics.median(v) for k, v in times.items()}, f)
+            json.dump({"zsort 1 device, same launch": statistics.median(lead_times),
+                       f"zsort {jax.process_count()}x{jax.local_device_count()}": statistics.median(times)}, f)
 
 
 def main() -> None:

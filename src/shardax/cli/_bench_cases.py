@@ -147,6 +147,40 @@ def time_rounds(fns: Mapping[str, Callable[[], Any]], repeat: int) -> tuple[dict
     return first, times
 
 
+def time_lead_rounds(lead: Callable[[], Any] | None, everyone: Callable[[], Any], repeat: int, tag: str
+                     ) -> tuple[list[float], list[float]]:
+    """Time ``lead`` on process 0 alone and ``everyone`` on all processes, round-robin, after one warm-up call of
+    each (call it on every process; ``lead`` is ``None`` off process 0).
+
+    Each round process 0 times ``lead`` while the other processes wait at a barrier of the coordination service (a
+    blocking call, which leaves the cores to process 0), then every process times ``everyone``: e.g. a 1-device
+    baseline and the same work on all devices of a multi-process run, whose ratio is then measured under one load.
+    ``tag`` names the barriers (one tag per use in a run).
+
+    Returns:
+        ``(lead_times, everyone_times)`` in seconds (``lead_times`` is empty off process 0).
+    """
+    import jax
+
+    from ..runtime._guard import _client
+
+    client = _client() if jax.process_count() > 1 else None
+    fns = {"lead": lead, "everyone": everyone}
+    for fn in fns.values():
+        if fn is not None:
+            jax.block_until_ready(fn())
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(repeat):
+        for name, fn in fns.items():
+            if name == "everyone" and client is not None:
+                client.wait_at_barrier(f"shardax/benchmark/{tag}/{i}", 3_600_000)
+            if fn is not None:
+                start = time.perf_counter()
+                jax.block_until_ready(fn())
+                times[name].append(time.perf_counter() - start)
+    return times["lead"], times["everyone"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The cases, run in a worker: each returns one timing per anchor.
 

@@ -240,7 +240,7 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
         return jnp.stack(morton_key(flat, kbox), axis=-1).reshape(*p.shape[:-1], 2)
 
     (keys,), _ = send_rows([pos], send, cap, perm=perm, init=[invalid], row_maps=[keys_of],
-                           chunk=max(chunk, int(_KEY_ROUNDS * default_chunk(cap, size))),
+                           chunk=max(chunk, _KEY_ROUNDS * default_chunk(cap, size)),
                            plan=(from_src, jnp.max(matrix)))
     khi, klo = keys[:, 0], keys[:, 1]
     got = jnp.sum(from_src)
@@ -261,7 +261,7 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
     kept = jnp.clip(cap - (jnp.cumsum(matrix, axis=0) - matrix), 0, matrix)
     sent_at = jnp.cumsum(send) - send
     (back,), _ = send_rows([place], kept[:, rank], n, recv_at=sent_at, init=[_minus_ones(n, place[0])],
-                          chunk=max(chunk, int(_BACK_ROUNDS * default_chunk(cap, size))),
+                          chunk=max(chunk, _BACK_ROUNDS * default_chunk(cap, size)),
                           plan=(kept[rank], jnp.max(kept)))
     dev, row = _device_and_row(back, first)
     placed = (rows < num) & (back >= 0)
