@@ -6,9 +6,12 @@ the SciPy references used here.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import shardax as sx
 from conftest import make_mesh
@@ -117,6 +120,36 @@ def test_degenerate_giant_and_empty() -> None:
             compare_catalogues(got, reference_catalogue(data["pos"], want, None, None, None))
     assert (reference_labels(giant["pos"], 0.2, None, 20) == 0).all()
     assert (reference_labels(lonely["pos"], 0.005, None, 2) == -1).all()
+
+
+@pytest.mark.parametrize("shape", [(8,), (2, 4)], ids=["8", "2x4"])
+def test_without_ids_rows_are_numbered_in_device_order(shape: tuple[int, ...]) -> None:
+    """Particles without ``ids`` on several devices: rows are numbered in global (device, row) order, and the labels
+    go home by that numbering (not by a ``home`` field). Labels and catalogue equal the reference's, and those of
+    the same rows given that numbering as ``ids``; uneven counts and an empty device."""
+    mesh = make_mesh(shape)
+    rng = np.random.default_rng(21)
+    pos = rng.random((700, 3)).astype(np.float32)
+    counts = np.array([150, 0, 90, 110, 60, 120, 100, 70], np.int32)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    cap = 160
+    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+
+    def put(rows: np.ndarray) -> jax.Array:
+        full = np.zeros((8, cap, *rows.shape[1:]), rows.dtype)
+        for d in range(8):
+            full[d, : counts[d]] = rows[starts[d]: starts[d + 1]]
+        return jax.make_array_from_callback(full.shape, sharding, lambda index: full[index])
+
+    num = jax.make_array_from_callback(counts.shape, sharding, lambda index: counts[index])
+    index = np.arange(len(pos), dtype=np.int32)
+    want = reference_labels(pos, 0.06, 1.0, 3)
+    for part in (Particles(pos=put(pos), num=num), Particles(pos=put(pos), num=num, ids=put(index))):
+        res = fof.smap(mesh)(part, 0.06, box=1.0, min_members=3)
+        got = labels_by_input_index(np.asarray(res.labels), np.asarray(put(index)), counts, len(pos))
+        np.testing.assert_array_equal(got, want)
+        compare_catalogues(res.catalogue.to_numpy(), reference_catalogue(pos, want, None, None, 1.0))
+    assert len(np.unique(want[want >= 0])) > 3
 
 
 @pytest.mark.parametrize("case", ["two_cells", "three_cells", "clump_capped_grid", "open_2d_clump", "periodic_2d"])
