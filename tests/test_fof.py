@@ -6,12 +6,9 @@ the SciPy references used here.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import shardax as sx
 from conftest import make_mesh
@@ -27,6 +24,7 @@ from test_fof_multiprocess import (
     reference_labels,
     uniform_open_2d,
 )
+from test_zsort import layout
 
 
 def _local(data: dict, **kw) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -128,25 +126,13 @@ def test_without_ids_rows_are_numbered_in_device_order(shape: tuple[int, ...]) -
     go home by that numbering (not by a ``home`` field). Labels and catalogue equal the reference's, and those of
     the same rows given that numbering as ``ids``; uneven counts and an empty device."""
     mesh = make_mesh(shape)
-    rng = np.random.default_rng(21)
-    pos = rng.random((700, 3)).astype(np.float32)
+    pos = np.random.default_rng(21).random((700, 3)).astype(np.float32)
     counts = np.array([150, 0, 90, 110, 60, 120, 100, 70], np.int32)
-    starts = np.concatenate([[0], np.cumsum(counts)])
-    cap = 160
-    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-
-    def put(rows: np.ndarray) -> jax.Array:
-        full = np.zeros((8, cap, *rows.shape[1:]), rows.dtype)
-        for d in range(8):
-            full[d, : counts[d]] = rows[starts[d]: starts[d + 1]]
-        return jax.make_array_from_callback(full.shape, sharding, lambda index: full[index])
-
-    num = jax.make_array_from_callback(counts.shape, sharding, lambda index: counts[index])
-    index = np.arange(len(pos), dtype=np.int32)
+    laid = layout(mesh, pos, counts, 160)  # ids: the input index, consecutive rows per device
     want = reference_labels(pos, 0.06, 1.0, 3)
-    for part in (Particles(pos=put(pos), num=num), Particles(pos=put(pos), num=num, ids=put(index))):
+    for part in (Particles(pos=laid.pos, num=laid.num), Particles(pos=laid.pos, num=laid.num, ids=laid.ids)):
         res = fof.smap(mesh)(part, 0.06, box=1.0, min_members=3)
-        got = labels_by_input_index(np.asarray(res.labels), np.asarray(put(index)), counts, len(pos))
+        got = labels_by_input_index(np.asarray(res.labels), np.asarray(laid.ids), counts, len(pos))
         np.testing.assert_array_equal(got, want)
         compare_catalogues(res.catalogue.to_numpy(), reference_catalogue(pos, want, None, None, 1.0))
     assert len(np.unique(want[want >= 0])) > 3
