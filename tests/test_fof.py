@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 import shardax as sx
 from conftest import make_mesh
@@ -18,6 +19,7 @@ from shardax.spatial._fof_local import Tuning, piece_space
 from test_fof_multiprocess import (
     MIN_MEMBERS,
     compare_catalogues,
+    dense_boundaries,
     labels_by_input_index,
     mixed_periodic,
     reference_catalogue,
@@ -250,6 +252,29 @@ def test_halo_capacity_overflow_then_retry_on_eight_devices() -> None:
     want = reference_labels(pos, 0.08, 1.0, 2)
     got = labels_by_input_index(np.asarray(res.labels), np.asarray(part.ids), np.asarray(part.num), len(pos))
     np.testing.assert_array_equal(got, want)
+
+
+def test_unset_buffers_grow_and_are_remembered_on_eight_devices(monkeypatch) -> None:
+    """With ``halo_capacity`` unset, a device needing more ghost rows than the starting 1024 makes ``fof.smap`` run
+    again with a larger buffer (exact labels, no error); the next call starts from the grown size (no further
+    compilation). A given size is never grown (the test above)."""
+    import shardax.spatial._fof as fof_module
+
+    data = dense_boundaries()
+    pos = data["pos"]
+    mesh = Mesh(make_mesh((8,)).devices, ("grow",))  # a mesh of its own: a fresh constructor and cache
+    part = sx.particles.from_numpy(pos, mesh=mesh)
+    built = []
+    original = fof_module.smap
+    monkeypatch.setattr(fof_module, "smap", lambda *a, **k: built.append(1) or original(*a, **k))
+    res = fof.smap(mesh)(part, data["linking_length"], box=1.0, min_members=5)
+    assert int(np.max(np.asarray(res.needed)[:, 1])) > 1024 and len(built) == 2
+    want = reference_labels(pos, data["linking_length"], 1.0, 5)
+    got = labels_by_input_index(np.asarray(res.labels), np.asarray(part.ids), np.asarray(part.num), len(pos))
+    np.testing.assert_array_equal(got, want)
+    again = fof.smap(mesh)(part, data["linking_length"], box=1.0, min_members=5)
+    assert len(built) == 2
+    np.testing.assert_array_equal(np.asarray(again.labels), np.asarray(res.labels))
 
 
 def test_piece_space_unwraps_a_piece_across_the_box_edge() -> None:

@@ -45,6 +45,14 @@ def uniform_open_2d(seed: int = 5) -> dict:
     return {"pos": pos, "vel": None, "mass": None, "linking_length": 0.7 / np.sqrt(1500), "box": None}
 
 
+def dense_boundaries(seed: int = 6) -> dict:
+    """Uniform periodic 3D points with a linking length so long that each of 8 devices needs more ghost rows than
+    the buffer ``fof.smap`` starts from (1024): the unset ``halo_capacity`` must grow."""
+    rng = np.random.default_rng(seed)
+    pos = rng.random((40000, 3)).astype(np.float32)
+    return {"pos": pos, "vel": None, "mass": None, "linking_length": 0.7 / 40000 ** (1 / 3), "box": 1.0}
+
+
 def reference_labels(pos: np.ndarray, linking_length: float, box: float | None, min_members: int) -> np.ndarray:
     """Labels by cKDTree.query_pairs + connected_components: smallest member index, -1 below min_members."""
     pos64 = np.asarray(pos, np.float64)
@@ -119,7 +127,7 @@ def _distributed_body(out_dir: str) -> dict:
     """Run every scenario on 2 processes x 4 devices; each process passes its own slice of the rows."""
     me, nproc = sx.world().process_id, sx.world().num_processes
     results = {}
-    for name, data in (("mixed", mixed_periodic()), ("open2d", uniform_open_2d())):
+    for name, data in (("mixed", mixed_periodic()), ("open2d", uniform_open_2d()), ("grow", dense_boundaries())):
         rows = np.array_split(np.arange(len(data["pos"])), nproc)[me]
         fields = {k: data[k][rows] for k in ("vel", "mass") if data[k] is not None}
         part = sx.particles.from_numpy(data["pos"][rows], **fields)
@@ -129,7 +137,8 @@ def _distributed_body(out_dir: str) -> dict:
         num = _host(part.num)
         ids = _host(part.ids)
         results[name] = {"labels": labels_by_input_index(labels, ids, num, len(data["pos"])),
-                         "catalogue": res.catalogue.to_numpy(), "count": len(flat["pos"])}
+                         "catalogue": res.catalogue.to_numpy(), "count": len(flat["pos"]),
+                         "halo_needed": int(np.max(_host(res.needed)[:, 1]))}
         if name == "mixed":
             shared = os.path.join(out_dir, "catalogue.h5")
             ranked = os.path.join(out_dir, "catalogue_ranked.h5")
@@ -143,13 +152,15 @@ def _distributed_body(out_dir: str) -> dict:
 @pytest.mark.multiprocess
 def test_fof_two_processes(tmp_path) -> None:
     results = sx.testing.run_distributed(_distributed_body, str(tmp_path), num_processes=2, cpu_devices=4)
-    for name, data in (("mixed", mixed_periodic()), ("open2d", uniform_open_2d())):
+    for name, data in (("mixed", mixed_periodic()), ("open2d", uniform_open_2d()), ("grow", dense_boundaries())):
         want = reference_labels(data["pos"], data["linking_length"], data["box"], MIN_MEMBERS)
         cat = reference_catalogue(data["pos"], want, data["mass"], data["vel"], data["box"])
         for res in results:
             np.testing.assert_array_equal(res[name]["labels"], want)
             compare_catalogues(res[name]["catalogue"], cat)
-    assert len(np.unique(want[want >= 0])) > 3
+        assert len(np.unique(want[want >= 0])) > 3, name
+    # The ghost buffer grew past where it starts, identically on both processes.
+    assert results[0]["grow"]["halo_needed"] == results[1]["grow"]["halo_needed"] > 1024
     # Catalogue files: the shared file and the per-rank files hold the same global arrays.
     io0, io1 = results[0]["io"], results[1]["io"]
     assert len(io0["files"]) == 3 and io0["files"] == io1["files"]
