@@ -44,6 +44,23 @@ from ._sort import argsort_keys
 T = TypeVar("T")
 
 
+class Routes(NamedTuple):
+    """How the rows moved, for sending results back to where each row came from without sorting (see
+    :func:`sort_particles` with ``routes=True``; several devices only).
+
+    Sender side: ``perm (n,)`` the order the rows left in (``sent (size,)`` rows to each device, in rank order: row
+    ``perm[k]`` was the ``k``-th). Receiver side: ``received (size,)`` rows that came from each device, and ``slot
+    (cap,)`` for each held row its place in the arrivals regrouped by source (each source's rows in the order it sent
+    them): ``send_grouped(..., received, perm=inverse of slot)`` returns a column along the reverse routes, and the
+    sender finds its rows' values packed by device in the order ``perm``.
+    """
+
+    perm: jax.Array
+    sent: jax.Array
+    received: jax.Array
+    slot: jax.Array
+
+
 class Sorted(NamedTuple):
     """Everything the local zsort knows, for the global wrapper and :func:`domain`."""
 
@@ -53,6 +70,7 @@ class Sorted(NamedTuple):
     nonfinite: jax.Array
     key_box: KeyBox
     worst: jax.Array  # the largest ``needed`` over all devices (the same on every device)
+    routes: Routes | None = None
 
 
 def check_capacity(capacity: Any, name: str = "capacity") -> int:
@@ -177,12 +195,14 @@ def _wrapped(part: Any, kbox: KeyBox) -> Any:
 
 
 def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | None, *,
-                   chunk_factor: int = 1) -> Sorted:
+                   chunk_factor: int = 1, routes: bool = False) -> Sorted:
     """The local-view sort behind :func:`zsort`, with what the global wrapper needs to report.
 
     ``chunk_factor`` multiplies the rows per rank pair and round of the three exchanges: ``zsort`` keeps the default
     (peak memory under 3x the particle data, about 11 rounds), kernels with larger working sets of their own pass 8
     (one or two rounds each: across processes every round is a collective with milliseconds of latency).
+    ``routes``: also return the :class:`Routes` of the rows (on several devices; one int32 word more per row
+    travels), for kernels that send per-row results back to the input rows.
     """
     n, _ = check_positions(part, "zsort")
     cap = n if capacity is None else check_capacity(capacity)
@@ -271,11 +291,28 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
     pos_leaf = [a is part.pos for a in rows_of.leaves]  # type: ignore[attr-defined]
     maps = [(lambda p: wrap(p.reshape(-1, p.shape[-1]), kbox).reshape(p.shape)) if kbox.periodic and pos_leaf[i]
             else None for i in rows_of.rows]
-    arrays, _ = send_rows(arrays, final_send, cap, perm=perm, target=jnp.where(placed, row, -1), row_maps=maps,
-                          chunk=chunk)
+    extra: list[jax.Array] = []
+    if routes:
+        # Each row takes (sender, its place in the sender's block for the receiver) along: the receiver regroups its
+        # rows by sender from that alone (no sort). One word while ``size * n`` fits in an int32, else two.
+        place_in_block = rows - (jnp.cumsum(final_send) - final_send)[jnp.clip(dev, 0, size - 1)]
+        words = (rank * n + place_in_block,) if size * n < _ONE_WORD_TIES else (jnp.full_like(rows, rank),
+                                                                                place_in_block)
+        extra = [jnp.zeros((n, len(words)), jnp.int32).at[perm].set(jnp.stack(words, axis=1), unique_indices=True)]
+    moved, recv = send_rows(arrays + extra, final_send, cap, perm=perm, target=jnp.where(placed, row, -1),
+                            row_maps=maps + [None] * len(extra), chunk=chunk)
+    arrays = moved[:len(arrays)]
     needed = jnp.maximum(received, finals) if equalize else received  # every device's, known everywhere
     num = jnp.minimum(finals[rank], cap)
-    return Sorted(rows_of.unpack(arrays, num), needed[rank] > cap, needed[rank], nonfinite, kbox, jnp.max(needed))
+    route = None
+    if routes:
+        code = moved[-1]
+        source, at = (code[:, 0] // n, code[:, 0] % n) if code.shape[1] == 1 else (code[:, 0], code[:, 1])
+        held = jnp.arange(cap, dtype=jnp.int32) < num
+        slot = jnp.where(held, (jnp.cumsum(recv) - recv)[jnp.clip(source, 0, size - 1)] + at, cap)
+        route = Routes(perm, final_send, recv, slot.astype(jnp.int32))
+    return Sorted(rows_of.unpack(arrays, num), needed[rank] > cap, needed[rank], nonfinite, kbox, jnp.max(needed),
+                  route)
 
 
 @overload

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .._errors import CapacityError
-from ..comm import allgather, scan
+from ..comm import allgather, allreduce, scan
 from ..core import ALL, rank_info, smap
 from ..particles._morton import given_box_values
 from ..particles._particles import check_count, check_positions
@@ -29,11 +29,11 @@ from ._catalogue import Catalogue, Partial, finish, partial_sums
 from ._fof_halo import (
     INT_MAX,
     boundary_totals,
-    exchange_columns,
     exchange_ghosts,
     merge_labels,
     piece_cells,
     segment_min_labels,
+    send_grouped,
     share_chunk,
 )
 from ._fof_local import (
@@ -70,15 +70,13 @@ class FofResult(NamedTuple):
 
 
 class _Rows(NamedTuple):
-    """What travels with each particle through the z-order sort: only the fields the particles have (``home (n, 2)``,
-    the input device and row, only with ``ids`` given: otherwise they follow from the ids)."""
+    """What travels with each particle through the z-order sort: only the fields the particles have."""
 
     pos: jax.Array
     num: jax.Array
     ids: jax.Array
     mass: jax.Array | None
     vel: jax.Array | None
-    home: jax.Array | None
 
 
 def _positive_int(value: Any, name: str, *, allow_none: bool = False) -> int | None:
@@ -181,7 +179,6 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
     group_cap = _positive_int(max_groups, "max_groups", allow_none=True) or total_rows // min_members + 16
 
     num = jnp.clip(jnp.asarray(part.num, jnp.int32), 0, n)
-    part_num = num
     rows = jnp.arange(n, dtype=jnp.int32)
     valid = rows < num
     if not isinstance(pos, Tracer) and not bool(jnp.all(jnp.isfinite(jnp.where(valid[:, None], pos, 0)))):
@@ -193,14 +190,14 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
     ids = getattr(part, "ids", None)
     own_ids = ids is None
     ids = (scan(num, inclusive=False) if size > 1 else 0) + rows if own_ids else jnp.asarray(ids, jnp.int32)
-    home = None if own_ids or size == 1 else jnp.stack([jnp.full((n,), rank, jnp.int32), rows], axis=1)
-    carry = _Rows(pos, num, ids, mass, vel, home)
+    carry = _Rows(pos, num, ids, mass, vel)
 
     rows_needed = num
     overflow = jnp.zeros((), bool)
+    routes = None
     if size > 1:
-        result = sort_particles(carry, box, True, n, chunk_factor=8)
-        carry = result.part
+        result = sort_particles(carry, box, True, n, chunk_factor=8, routes=True)
+        carry, routes = result.part, result.routes
         rows_needed, overflow = result.needed, result.overflow
         pieces = piece_cells(carry.pos, carry.num, result.key_box.origin.astype(dtype),
                              result.key_box.extent.astype(dtype), 64)
@@ -274,18 +271,16 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
     member = own_valid & (group_count[component[:n]] >= min_members)
     own_label = jnp.where(member, labels[:n], -1)
     if size > 1:
-        if carry.home is None:  # ids are the global input index: (device, row) from the devices' counts
-            offsets = jnp.cumsum(allgather(part_num)) - allgather(part_num)
-            home_rank = (jnp.searchsorted(offsets, carry.ids, side="right") - 1).astype(jnp.int32)
-            home_row = carry.ids - offsets[jnp.clip(home_rank, 0, size - 1)]
-        else:
-            home_rank, home_row = carry.home[:, 0], carry.home[:, 1]
-        back, back_counts, back_overflow, _ = exchange_columns({"row": home_row, "label": own_label},
-                                                               jnp.clip(home_rank, 0, size - 1), num=num, size=size,
-                                                               capacity=n, chunk=share_chunk(n, size))
-        live = rows < jnp.sum(back_counts)
-        own_label = jnp.full((n,), -1, jnp.int32).at[jnp.where(live, back["row"], n)].set(back["label"],
-                                                                                         mode="drop")
+        # Labels home along the reverse routes of the sort: regrouped by sender (no sort), they arrive packed by
+        # device in the order the rows left, i.e. ``routes.perm``.
+        assert routes is not None
+        back_perm = jnp.zeros((n,), jnp.int32).at[routes.slot].set(rows, mode="drop")
+        largest = allreduce(jnp.max(routes.sent), "max")
+        back, _, back_overflow = send_grouped({"label": own_label}, routes.received, capacity=n, perm=back_perm,
+                                              plan=(routes.sent, largest), chunk=share_chunk(n, size))
+        returned = rows < jnp.sum(routes.sent)
+        own_label = jnp.full((n,), -1, jnp.int32).at[jnp.where(returned, routes.perm, n)].set(back["label"],
+                                                                                            mode="drop")
         overflow = overflow | back_overflow
     needed = jnp.stack([links.num_edges, halo_needed, groups_needed, rows_needed]).astype(jnp.int32)
     available = jnp.array([edge_cap, hc, group_cap, n], jnp.int32)
