@@ -125,8 +125,8 @@ def test_degenerate_giant_and_empty() -> None:
 @pytest.mark.parametrize("shape", [(8,), (2, 4)], ids=["8", "2x4"])
 def test_without_ids_rows_are_numbered_in_device_order(shape: tuple[int, ...]) -> None:
     """Particles without ``ids`` on several devices: rows are numbered in global (device, row) order, and the labels
-    go home by that numbering (not by a ``home`` field). Labels and catalogue equal the reference's, and those of
-    the same rows given that numbering as ``ids``; uneven counts and an empty device."""
+    go home along the sort's routes. Labels and catalogue equal the reference's, and those of the same rows given
+    that numbering as ``ids``; uneven counts and an empty device."""
     mesh = make_mesh(shape)
     pos = np.random.default_rng(21).random((700, 3)).astype(np.float32)
     counts = np.array([150, 0, 90, 110, 60, 120, 100, 70], np.int32)

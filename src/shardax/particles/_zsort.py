@@ -33,8 +33,9 @@ from jax.sharding import PartitionSpec as P
 
 from .._errors import CapacityError
 from ..comm import allgather, allreduce
-from ..comm._alltoallv import default_chunk
+from ..comm._alltoallv import _exchange_counts_and_max, default_chunk
 from ..core import ALL, rank_info, smap
+from ..core._rank import resolve_axes
 from ._domain import Domain, domain_of
 from ._morton import Box, KeyBox, key_box, morton_key, periodic_box, wrap
 from ._particles import check_count, check_positions, map_rows, replace_field, with_num
@@ -45,20 +46,22 @@ T = TypeVar("T")
 
 
 class Routes(NamedTuple):
-    """How the rows moved, for sending results back to where each row came from without sorting (see
+    """How the rows moved, for sending per-row results back to the rows they came from without sorting (see
     :func:`sort_particles` with ``routes=True``; several devices only).
 
     Sender side: ``perm (n,)`` the order the rows left in (``sent (size,)`` rows to each device, in rank order: row
-    ``perm[k]`` was the ``k``-th). Receiver side: ``received (size,)`` rows that came from each device, and ``slot
-    (cap,)`` for each held row its place in the arrivals regrouped by source (each source's rows in the order it sent
-    them): ``send_grouped(..., received, perm=inverse of slot)`` returns a column along the reverse routes, and the
-    sender finds its rows' values packed by device in the order ``perm``.
+    ``perm[k]`` was the ``k``-th). Receiver side: ``received (size,)`` rows that came from each device, and ``back
+    (cap,)`` the held rows regrouped by sender, each sender's in the order it sent them. ``largest``: the largest
+    count any device sent any device (the same everywhere). So ``send_grouped(column, received, perm=back,
+    plan=(sent, largest))`` takes a column back with no count exchange, and each sender receives its rows' values
+    packed by device in the order ``perm``.
     """
 
     perm: jax.Array
     sent: jax.Array
     received: jax.Array
-    slot: jax.Array
+    back: jax.Array
+    largest: jax.Array
 
 
 class Sorted(NamedTuple):
@@ -299,18 +302,21 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
         words = (rank * n + place_in_block,) if size * n < _ONE_WORD_TIES else (jnp.full_like(rows, rank),
                                                                                 place_in_block)
         extra = [jnp.zeros((n, len(words)), jnp.int32).at[perm].set(jnp.stack(words, axis=1), unique_indices=True)]
+    # With routes, the count exchange is done here so that its global largest count can be kept for the way back.
+    plan = _exchange_counts_and_max(final_send, resolve_axes(None)) if routes else None
     moved, recv = send_rows(arrays + extra, final_send, cap, perm=perm, target=jnp.where(placed, row, -1),
-                            row_maps=maps + [None] * len(extra), chunk=chunk)
+                            row_maps=maps + [None] * len(extra), chunk=chunk, plan=plan)
     arrays = moved[:len(arrays)]
     needed = jnp.maximum(received, finals) if equalize else received  # every device's, known everywhere
     num = jnp.minimum(finals[rank], cap)
     route = None
-    if routes:
+    if plan is not None:
         code = moved[-1]
         source, at = (code[:, 0] // n, code[:, 0] % n) if code.shape[1] == 1 else (code[:, 0], code[:, 1])
-        held = jnp.arange(cap, dtype=jnp.int32) < num
-        slot = jnp.where(held, (jnp.cumsum(recv) - recv)[jnp.clip(source, 0, size - 1)] + at, cap)
-        route = Routes(perm, final_send, recv, slot.astype(jnp.int32))
+        held = jnp.arange(cap, dtype=jnp.int32)
+        slot = jnp.where(held < num, (jnp.cumsum(recv) - recv)[jnp.clip(source, 0, size - 1)] + at, cap)
+        back = jnp.zeros((cap,), jnp.int32).at[slot].set(held, mode="drop")
+        route = Routes(perm, final_send, recv, back, plan[1])
     return Sorted(rows_of.unpack(arrays, num), needed[rank] > cap, needed[rank], nonfinite, kbox, jnp.max(needed),
                   route)
 

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .._errors import CapacityError
-from ..comm import allgather, allreduce, scan
+from ..comm import allgather, scan
 from ..core import ALL, rank_info, smap
 from ..particles._morton import given_box_values
 from ..particles._particles import check_count, check_positions
@@ -159,12 +159,13 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
         >>> res.labels.tolist(), res.catalogue.count[:2].tolist()
         ([0, 0, 2, 2], [2, 2])
 
-    Global version with the host-side retry on overflow::
+    Global version: buffers left unset grow by themselves; one set explicitly raises on overflow::
 
+        res = fof.smap()(part, 0.2 * spacing, box=1.0)
         try:
-            res = fof.smap()(part, 0.2 * spacing, box=1.0)
+            res = fof.smap()(part, 0.2 * spacing, box=1.0, halo_capacity=4096)
         except sx.CapacityError as err:          # err.argument names the buffer, err.needed its size
-            res = fof.smap()(part, 0.2 * spacing, box=1.0, **{err.argument: err.needed * 5 // 4})
+            res = fof.smap()(part, 0.2 * spacing, box=1.0, **{err.argument: err.needed})
     """
     n, dim = check_positions(part, "fof")
     _positive_int(min_members, "min_members")
@@ -175,8 +176,9 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
     rank, size, _ = rank_info()
     hc = 0 if size == 1 else (_positive_int(halo_capacity, "halo_capacity", allow_none=True) or max(n // 4, 1024))
     total_rows = n + hc
-    edge_cap = _positive_int(edge_capacity, "edge_capacity", allow_none=True) or 8 * total_rows + 4096
-    group_cap = _positive_int(max_groups, "max_groups", allow_none=True) or total_rows // min_members + 16
+    available = _available(n, _positive_int(max_groups, "max_groups", allow_none=True),
+                           _positive_int(edge_capacity, "edge_capacity", allow_none=True), hc, min_members)
+    edge_cap, _, group_cap, _ = available
 
     num = jnp.clip(jnp.asarray(part.num, jnp.int32), 0, n)
     rows = jnp.arange(n, dtype=jnp.int32)
@@ -274,17 +276,14 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
         # Labels home along the reverse routes of the sort: regrouped by sender (no sort), they arrive packed by
         # device in the order the rows left, i.e. ``routes.perm``.
         assert routes is not None
-        back_perm = jnp.zeros((n,), jnp.int32).at[routes.slot].set(rows, mode="drop")
-        largest = allreduce(jnp.max(routes.sent), "max")
-        back, _, back_overflow = send_grouped({"label": own_label}, routes.received, capacity=n, perm=back_perm,
-                                              plan=(routes.sent, largest), chunk=share_chunk(n, size))
+        back, _, back_overflow = send_grouped({"label": own_label}, routes.received, capacity=n, perm=routes.back,
+                                              plan=(routes.sent, routes.largest), chunk=share_chunk(n, size))
         returned = rows < jnp.sum(routes.sent)
         own_label = jnp.full((n,), -1, jnp.int32).at[jnp.where(returned, routes.perm, n)].set(back["label"],
                                                                                             mode="drop")
         overflow = overflow | back_overflow
     needed = jnp.stack([links.num_edges, halo_needed, groups_needed, rows_needed]).astype(jnp.int32)
-    available = jnp.array([edge_cap, hc, group_cap, n], jnp.int32)
-    overflow = overflow | jnp.any(needed > available)
+    overflow = overflow | jnp.any(needed > jnp.array(available, jnp.int32))
     return FofResult(own_label, catalogue, overflow, needed)
 
 
@@ -391,8 +390,8 @@ def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., 
 
 def _available(n: int, max_groups: int | None, edge_capacity: int | None, halo_capacity: int,
                min_members: int) -> list[int]:
-    """The sizes of the four buffers of ``FofResult.needed`` as ``fof`` resolves them (one device ignores the halo:
-    its count is then 0)."""
+    """The sizes of the four buffers of ``FofResult.needed`` (edges, halo rows, catalogue rows, particle rows), the
+    defaults of those left ``None`` resolved (on one device the halo is 0)."""
     return [edge_capacity or 8 * (n + halo_capacity) + 4096, halo_capacity,
             max_groups or (n + halo_capacity) // min_members + 16, n]
 
