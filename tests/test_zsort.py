@@ -252,6 +252,30 @@ def test_zsort_fallback_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     np.testing.assert_array_equal(to_host(out.num), equal_counts(N, 3))
 
 
+@pytest.mark.parametrize("case", ["distinct", "duplicates", "padding", "prefix_ties"])
+def test_argsort_keys_is_numpys_stable_argsort(case: str) -> None:
+    """The packed 64-bit argsort equals NumPy's stable argsort: distinct keys, many equal keys, a third of the rows
+    padding (the invalid key, which must not force the refining pass to be wrong or needed), and keys sharing the
+    first pass's prefix with differing low bits (the refining pass must run)."""
+    from shardax.particles._sort import _index_bits, argsort_keys
+
+    rng = np.random.default_rng(11)
+    n = 6000
+    key = rng.integers(0, np.iinfo(np.uint64).max, n, dtype=np.uint64, endpoint=True)
+    if case == "duplicates":
+        key = rng.choice(key[:40], n)
+    if case in ("padding", "prefix_ties"):
+        if case == "prefix_ties":  # 50 prefixes, each shared by ~100 rows in random order of their low bits
+            bits = np.uint64(_index_bits(n))
+            key = (rng.integers(0, 50, n, dtype=np.uint64) << np.uint64(40)) | rng.integers(
+                0, 1 << int(bits), n, dtype=np.uint64)
+        key[rng.random(n) < 0.3] = np.iinfo(np.uint64).max
+    hi = (key >> np.uint64(32)).astype(np.uint32)
+    lo = (key & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    got = np.asarray(jax.jit(argsort_keys)(jnp.asarray(hi), jnp.asarray(lo)))
+    np.testing.assert_array_equal(got, np.argsort(key, kind="stable"))
+
+
 def test_zsort_donate_and_peak_memory() -> None:
     """``zsort.smap(mesh, donate=True)`` gives the same result and consumes its input; the peak memory per device
     (XLA's compile-time memory analysis, so deterministic) stays within bounds on 8 devices."""

@@ -7,8 +7,10 @@ key, and that single array is sorted. A scoped ``jax.enable_x64`` gives the uint
 inputs and outputs are 32-bit and the global configuration is untouched.
 
 With ``b`` index bits (``2**b >= n``) the first pass orders rows by the top ``64 - b`` key bits. Rows whose top bits
-tie (rare for distinct positions, common for duplicates) are refined by a second pass over ``(group start, low b key
-bits, position)``, run only when such ties exist (``b <= 21``, ``n <= 2**21``). Larger arrays use two LSD passes.
+tie but whose low bits differ (rare for distinct positions) are refined by a second pass over ``(group start, low b
+key bits, position)``, run only when such rows exist (``b <= 21``, ``n <= 2**21``). Rows whose whole keys are equal
+(duplicates, and the padding rows, which all carry the invalid key) are already in row order after the first pass.
+Larger arrays use two LSD passes.
 """
 
 from __future__ import annotations
@@ -61,16 +63,20 @@ def _msd(hi: jax.Array, lo: jax.Array, n: int, bits: int) -> jax.Array:
     first = lax.sort((_key(hi, lo) >> shift) << shift | lax.iota(jnp.uint64, n), is_stable=False)
     perm = _index(first, bits)
     same = (first[1:] >> shift) == (first[:-1] >> shift)
+    rest = lo[perm] & jnp.uint32((1 << bits) - 1)  # the key bits below the first pass's prefix
+    # Rows of one prefix are in row order after the first pass, which is already right where their whole keys are
+    # equal too (the padding rows, which all carry the invalid key, and duplicate positions): refine only when two
+    # neighbours of one prefix differ in the low bits.
+    unsorted = same & (rest[1:] != rest[:-1])
 
     def refine(perm: jax.Array) -> jax.Array:
         rows = lax.iota(jnp.int32, n)
         start = lax.cummax(jnp.where(jnp.concatenate([jnp.ones((1,), bool), ~same]), rows, 0))
-        rest = lo[perm] & jnp.uint32((1 << bits) - 1)  # the key bits below the first pass's prefix
         second = lax.sort(start.astype(jnp.uint64) << jnp.uint64(2 * bits) | rest.astype(jnp.uint64) << shift
                           | lax.iota(jnp.uint64, n), is_stable=False)
         return perm[_index(second, bits)]
 
-    return lax.cond(jnp.any(same), refine, lambda p: p, perm)
+    return lax.cond(jnp.any(unsorted), refine, lambda p: p, perm)
 
 
 def _lsd(hi: jax.Array, lo: jax.Array, n: int, bits: int) -> jax.Array:
