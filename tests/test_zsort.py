@@ -255,8 +255,9 @@ def test_zsort_fallback_paths(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("case", ["distinct", "duplicates", "padding", "prefix_ties"])
 def test_argsort_keys_is_numpys_stable_argsort(case: str) -> None:
     """The packed 64-bit argsort equals NumPy's stable argsort: distinct keys, many equal keys, a third of the rows
-    padding (the invalid key, which must not force the refining pass to be wrong or needed), and keys sharing the
-    first pass's prefix with differing low bits (the refining pass must run)."""
+    padding (the invalid key: ties that the first pass already orders, so the refining pass is skipped), and keys
+    sharing the first pass's prefix with differing low bits, with padding (only the refining pass orders them: a
+    test that never refines fails here)."""
     from shardax.particles._sort import _index_bits, argsort_keys
 
     rng = np.random.default_rng(11)
