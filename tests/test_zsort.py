@@ -267,9 +267,8 @@ def test_argsort_keys_is_numpys_stable_argsort(case: str) -> None:
         key = rng.choice(key[:40], n)
     if case in ("padding", "prefix_ties"):
         if case == "prefix_ties":  # 50 prefixes, each shared by ~100 rows in random order of their low bits
-            bits = np.uint64(_index_bits(n))
-            key = (rng.integers(0, 50, n, dtype=np.uint64) << np.uint64(40)) | rng.integers(
-                0, 1 << int(bits), n, dtype=np.uint64)
+            low = rng.integers(0, 1 << _index_bits(n), n, dtype=np.uint64)  # below the first pass's prefix
+            key = (rng.integers(0, 50, n, dtype=np.uint64) << np.uint64(40)) | low
         key[rng.random(n) < 0.3] = np.iinfo(np.uint64).max
     hi = (key >> np.uint64(32)).astype(np.uint32)
     lo = (key & np.uint64(0xFFFFFFFF)).astype(np.uint32)
