@@ -29,7 +29,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--dtypes", nargs="*", default=["float32", "float64"], help="potrs dtypes")
     parser.add_argument("--devices", type=int, default=4, help="CPU devices in this process (default 4)")
     parser.add_argument("--tile", type=int, default=None,
-                        help="block size (default: the library's, 256 or 128 by N and devices)")
+                        help="block size (default: the library's, 256, 128 or 64 by N and devices)")
     parser.add_argument("--nrhs", type=int, default=1, help="right-hand sides (default 1)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (default 3)")
     parser.add_argument("--json", help="also write the results to this JSON file")

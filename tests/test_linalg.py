@@ -106,10 +106,10 @@ def test_potrs_layouts_and_tiles(shape, layout, n, tile):
 
 
 def test_default_tile():
-    """256, halved to 128 when that leaves fewer than 16 blocks per device (the benchmark sizes' choices)."""
+    """256, halved down to 64 while that leaves fewer than 16 blocks per device (the benchmark sizes' choices)."""
     assert [default_tile(n, p) for n, p in [(4096, 1), (4095, 1), (4096, 4), (8192, 4), (16384, 4), (1000, 8)]] == [
-        256, 128, 128, 128, 256, 128]
-    assert BlockCyclic.create(4096, None, 4).tile == 128 and BlockCyclic.create(4096, 64, 4).tile == 64
+        256, 128, 64, 128, 256, 64]
+    assert BlockCyclic.create(4096, None, 4).tile == 64 and BlockCyclic.create(4096, 128, 4).tile == 128
     assert BlockCyclic.create(40, None, 4).tile == 10  # reduced for small N, as an explicit tile is
     mesh = make_mesh((4,))
     a, b = hpd(40, np.float32, seed=40), rhs(40, 2, np.float32)
@@ -128,6 +128,26 @@ def test_potrf_potri(shape):
     inverse = sx.linalg.potri(ad, tile=5)
     close(inverse, np.linalg.inv(a), np.float32, scale=3.0)
     assert inverse.sharding == ad.sharding
+
+
+@pytest.mark.parametrize(("shape", "tile"), [((1,), 3), ((4,), 4), ((2, 4), 3)])
+def test_potrf_phases_across_local_blocks(shape, tile):
+    """More steps than phases (16), with phase bounds that do not fall on local-block bounds (N = 200, tile 4 on 4
+    devices: 52 steps, phases of 3-4 steps such as steps 3-5, which start one device's second local block while
+    another factors its first): the factor matches LAPACK's, and a failing minor in a late phase, on any device,
+    gives its ``info``."""
+    mesh = make_mesh(shape)
+    n = 200
+    layout = BlockCyclic.create(n, tile, mesh.size)
+    assert layout.blocks > 16 and layout.blocks % 16 != 0
+    a = hpd(n, np.float32, seed=21)
+    close(sx.linalg.potrf(put(a, mesh, "cols"), tile=tile), np.linalg.cholesky(a), np.float32)
+    for bad in (27, 151, 200):
+        broken = a.copy()
+        broken[bad - 1, bad - 1] = -1.0
+        factor, status = sx.linalg.potrf(put(broken, mesh, "cols"), tile=tile, return_status=True)
+        assert int(status) == first_bad_minor(broken) == bad
+        assert np.isnan(np.asarray(factor)).all()
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.complex64, np.complex128])

@@ -104,8 +104,8 @@ def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_s
             axes, and the results come back in the inputs' shardings (inside ``jit`` under ``jax.set_mesh`` of
             such a mesh, through ``jax.sharding.auto_axes``).
         in_specs: jaxmg's ``(spec_a, spec_b)``.
-        tile: block size (default 256, or 128 when ``N`` leaves fewer than 16 blocks of 256 per device; reduced for
-            small ``N`` so that padding stays below a block per device).
+        tile: block size (default 256, halved down to 64 while ``N`` leaves fewer than 16 blocks per device; reduced
+            for small ``N`` so that padding stays below a block per device).
         return_status: also return the LAPACK ``info``: 0, or ``k > 0`` when the leading minor of order ``k`` is
             not positive definite (``x`` and ``logdet`` are then NaN).
         return_logdet: also return ``log det a`` (real).
@@ -147,7 +147,7 @@ def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_s
 def potrf(a: Any, *, tile: int | None = None, mesh: Mesh | None = None, return_status: bool = False) -> Any:
     """Lower Cholesky factor ``L`` (``a = L L^H``) of a Hermitian positive definite ``a``, distributed.
 
-    Blocked right-looking factorisation on a 1D block-cyclic column layout (see :func:`potrs`); only the lower
+    Blocked left-looking factorisation on a 1D block-cyclic column layout (see :func:`potrs`); only the lower
     triangle of ``a`` is read.
 
     Args:

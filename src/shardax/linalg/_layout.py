@@ -1,9 +1,9 @@
 """The internal layout: a 1D block-cyclic distribution of matrix columns over every device of the mesh.
 
 Column block ``j`` (of ``tile`` columns) lives on device ``j % nproc`` as that device's local block ``j // nproc``,
-so every device holds all ``padded`` rows and ``padded / nproc`` columns. The trailing matrix of a right-looking
-factorisation (columns ``>= k``) is then a contiguous suffix of every device's local columns, which keeps the work
-balanced to the last step and lets each update be one dense matrix product.
+so every device holds all ``padded`` rows and ``padded / nproc`` columns. The columns factored before step ``k`` are
+then a contiguous prefix of every device's local columns, and the columns still to factor a contiguous suffix, which
+keeps the work balanced to the last step and lets each step's product be one dense matrix product per device.
 """
 
 from __future__ import annotations
@@ -16,18 +16,24 @@ import jax.numpy as jnp
 from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-# The default block size, halved while that leaves fewer than MIN_LOCAL_BLOCKS blocks per device: with few local
-# blocks the factorisation's phases (``_potrf.MAX_PHASES``) are coarse and its products do more flops than an exact
-# Cholesky (N = 4096 on 4 devices: 29.5 GFLOP with tile 256, 26.1 with 128, 22.9 exact; potrs f64 then ran 0.58x ->
-# 0.66x-0.76x of SciPy over four runs; N = 8192 f64 on 4 devices: potrf 4.56 s with tile 256, 4.23 s with 128). With enough blocks the
-# larger tile's products are the faster ones (N = 4096 on 1 device: 0.62 s vs 0.67 s).
+# The default block size, halved (down to MIN_TILE) while that leaves fewer than MIN_LOCAL_BLOCKS blocks per device:
+# with few local blocks the factorisation's phases (``_potrf.MAX_PHASES``) are coarse, its products do more flops than
+# an exact Cholesky, and fewer steps leave the owners' diagonal blocks a larger share. `potrs` f64 with the
+# left-looking `potrf` (2026-11-25, `benchmarks/linalg.py --tile T`): N = 4096 on 4 devices 0.48 s with tile 64,
+# 0.55 s with 128; N = 8192 on 4 devices 3.17 s with 64, 2.97 s with 128; N = 4096 on 1 device 0.42 s with 256,
+# 0.46 s with 128, 0.44 s with 64.
 DEFAULT_TILE = 256
+MIN_TILE = 64
 MIN_LOCAL_BLOCKS = 16
 
 
 def default_tile(n: int, nproc: int) -> int:
-    """Block size used when none is given: 256, or 128 when ``n`` leaves fewer than 16 blocks of 256 per device."""
-    return DEFAULT_TILE if n >= MIN_LOCAL_BLOCKS * DEFAULT_TILE * nproc else DEFAULT_TILE // 2
+    """Block size used when none is given: 256, halved down to 64 while ``n`` leaves fewer than 16 blocks per
+    device."""
+    tile = DEFAULT_TILE
+    while tile > MIN_TILE and n < MIN_LOCAL_BLOCKS * tile * nproc:
+        tile //= 2
+    return tile
 
 
 @dataclasses.dataclass(frozen=True)
