@@ -1,13 +1,14 @@
 """Distributed dense linear algebra benchmark: sx.linalg side by side with SciPy (LAPACK) on the same cores.
 
 ``potrs`` (Cholesky factorisation + solve) on N CPU devices in one process against ``scipy.linalg.cho_factor +
-cho_solve``, and ``syevd`` against ``scipy.linalg.eigh``. Every variant runs in the same process in interleaved
-rounds (robust to noise on a shared machine); the table gives medians, GFLOP/s (``N^3/3 + 2 N^2 K`` for potrs) and
-the ratio to SciPy. A communication/compute split comes from timing the same program's collectives alone (the
-panel broadcasts of ``potrf`` as a loop of all-reduces of the same sizes) and from the factorisation on one device.
+cho_solve``, ``syevd`` against ``scipy.linalg.eigh`` and ``potri`` (f64) against LAPACK ``potrf + potri``. Every
+variant runs in the same process in interleaved rounds (robust to noise on a shared machine); the table gives
+medians, GFLOP/s (``N^3/3 + 2 N^2 K`` for potrs) and the ratio to SciPy. A communication/compute split comes from
+timing the same program's collectives alone (the column-block all-reduces of ``potrf`` as a loop of all-reduces of
+the same sizes) and from the factorisation on one device.
 
-    python benchmarks/linalg.py                                  # potrs N=4096, 8192 f32+f64, syevd N=2048, 4 devices
-    python benchmarks/linalg.py --potrs 2048 --syevd 512 --repeats 3
+    python benchmarks/linalg.py                    # potrs N=4096, 8192 f32+f64, syevd N=2048, potri N=4096, 4 devices
+    python benchmarks/linalg.py --potrs 2048 --syevd 512 --potri 1024 --repeats 3
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--potrs", type=int, nargs="*", default=[4096, 8192], help="potrs sizes (default 4096 8192)")
     parser.add_argument("--syevd", type=int, nargs="*", default=[2048], help="syevd sizes (default 2048)")
+    parser.add_argument("--potri", type=int, nargs="*", default=[4096],
+                        help="potri sizes, float64, vs LAPACK potrf + potri (default 4096; no target, reported)")
     parser.add_argument("--dtypes", nargs="*", default=["float32", "float64"], help="potrs dtypes")
     parser.add_argument("--devices", type=int, default=4, help="CPU devices in this process (default 4)")
     parser.add_argument("--tile", type=int, default=None,
@@ -111,6 +114,32 @@ def main() -> None:
                          "residual": residual})
             print(json.dumps(rows[-1]), flush=True)
 
+    for n in args.potri:
+        rng = np.random.default_rng(2)
+        m = rng.standard_normal((n, n))
+        a = m @ m.T / n + np.eye(n)
+        ad = jax.device_put(a, NamedSharding(mesh, P(None, "d")))
+        a1 = jax.device_put(a, NamedSharding(one, P()))
+
+        def lapack_inverse(a=a):
+            factor, _ = sl.lapack.dpotrf(a, lower=1)
+            inverse, _ = sl.lapack.dpotri(factor, lower=1)
+            return inverse  # lower triangle only, as LAPACK returns it
+
+        variants = {
+            "scipy": lapack_inverse,
+            "shardax": lambda ad=ad: block(sx.linalg.potri(ad, tile=args.tile)),
+            "shardax-1dev": lambda a1=a1: block(sx.linalg.potri(a1, tile=args.tile)),
+        }
+        t = _rounds(variants, args.repeats)
+        inverse = np.asarray(sx.linalg.potri(ad, tile=args.tile))
+        residual = float(np.linalg.norm(a @ inverse - np.eye(n)) / (np.linalg.norm(a) * np.linalg.norm(inverse)))
+        rows.append({"op": "potri", "n": n, "dtype": "float64", "devices": args.devices,
+                     "tile": BlockCyclic.create(n, args.tile, args.devices).tile, "scipy_s": t["scipy"],
+                     "shardax_s": t["shardax"], "shardax_1dev_s": t["shardax-1dev"],
+                     "ratio": t["shardax"] / t["scipy"], "residual": residual})
+        print(json.dumps(rows[-1]), flush=True)
+
     for n in args.syevd:
         rng = np.random.default_rng(1)
         m = rng.standard_normal((n, n))
@@ -140,7 +169,7 @@ def main() -> None:
               f"{r.get('scipy_gflops', float('nan')):10.1f} {r.get('shardax_gflops', float('nan')):8.1f} "
               f"{r['ratio']:6.2f}")
     print("ratio: potrs = shardax GFLOP/s / scipy GFLOP/s (target >= 0.7); syevd = shardax time / scipy time "
-          "(target <= 3)")
+          "(target <= 3); potri = shardax time / LAPACK potrf + potri time (no target)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

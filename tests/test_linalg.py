@@ -134,14 +134,15 @@ def test_potrf_potri(shape):
 def test_potrf_phases_across_local_blocks(shape, tile):
     """More steps than phases (16), with phase bounds that do not fall on local-block bounds (N = 200, tile 4 on 4
     devices: 52 steps, phases of 3-4 steps such as steps 3-5, which start one device's second local block while
-    another factors its first): the factor matches LAPACK's, and a failing minor in a late phase, on any device,
-    gives its ``info``."""
+    another factors its first): the factor and the inverse match LAPACK's, and a failing minor in a late phase, on
+    any device, gives its ``info``."""
     mesh = make_mesh(shape)
     n = 200
     layout = BlockCyclic.create(n, tile, mesh.size)
     assert layout.blocks > 16 and layout.blocks % 16 != 0
     a = hpd(n, np.float32, seed=21)
     close(sx.linalg.potrf(put(a, mesh, "cols"), tile=tile), np.linalg.cholesky(a), np.float32)
+    close(sx.linalg.potri(put(a, mesh, "cols"), tile=tile), np.linalg.inv(a), np.float32, scale=3.0)
     for bad in (27, 151, 200):
         broken = a.copy()
         broken[bad - 1, bad - 1] = -1.0
@@ -212,8 +213,8 @@ def test_not_positive_definite(bad):
 
 @pytest.mark.parametrize("dtype", [np.float64, np.complex128])
 def test_recursive_diagonal_blocks(dtype):
-    """Tiles above the leaf size (32) factor their diagonal blocks by recursive halving (uneven halves here); a
-    failure inside such a block still reports LAPACK's ``info``."""
+    """Tiles above the leaf size (32) factor and invert their diagonal blocks by recursive halving (uneven halves
+    here); a failure inside such a block still reports LAPACK's ``info``."""
     mesh = make_mesh((2,))
     n, tile = 150, 70
     with jax.enable_x64(True):
@@ -222,6 +223,7 @@ def test_recursive_diagonal_blocks(dtype):
         close(sx.linalg.potrf(ad, tile=tile), np.linalg.cholesky(a), dtype)
         b = rhs(n, 2, dtype)
         close(sx.linalg.potrs(ad, jnp.asarray(b), tile=tile), sl.cho_solve(sl.cho_factor(a), b), dtype)
+        close(sx.linalg.potri(ad, tile=tile), np.linalg.inv(a), dtype, scale=3.0)
         a[100, 100] = -1.0
         factor, status = sx.linalg.potrf(put(a, mesh, "cols"), tile=tile, return_status=True)
     assert int(status) == first_bad_minor(a) == 101

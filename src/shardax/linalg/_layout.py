@@ -104,14 +104,6 @@ def from_cyclic(a: jax.Array, layout: BlockCyclic) -> jax.Array:
     return a[: layout.n, : layout.n]
 
 
-def gather_columns(local: jax.Array, layout: BlockCyclic, allgather) -> jax.Array:
-    """All devices' local columns ``(rows, width)`` as one ``(rows, padded)`` matrix in natural column order."""
-    full = allgather(local)  # (nproc, rows, width)
-    rows = local.shape[0]
-    full = full.reshape(layout.nproc, rows, layout.local_blocks, layout.tile)
-    return full.transpose(1, 2, 0, 3).reshape(rows, layout.padded)
-
-
 def global_columns(rank: jax.Array | int, layout: BlockCyclic) -> jax.Array:
     """Global column index of each of this device's ``width`` local columns."""
     local = jnp.arange(layout.width, dtype=jnp.int32)

@@ -70,6 +70,25 @@ def diagonal_factor(d: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.block([[l11, zeros], [l21, l22]]), jnp.block([[w11, zeros], [w21, w22]])
 
 
+def triangular_inverse(lower: jax.Array) -> jax.Array:
+    """``L^{-1}`` of the lower triangular ``lower: (n, n)`` by recursive halving, matrix products only (no LAPACK
+    call inside a loop on XLA:CPU, see :func:`diagonal_factor`): ``[[A, 0], [B, C]]^{-1} = [[A^{-1}, 0],
+    [-C^{-1} B A^{-1}, C^{-1}]]``, with leaves of at most ``LEAF`` rows solved by forward substitution."""
+    n = lower.shape[0]
+    if n <= LEAF:
+        eye = jnp.eye(n, dtype=lower.dtype)
+
+        def body(j, inverse):
+            row = lax.dynamic_index_in_dim(lower, j, 0, False)
+            new = (lax.dynamic_index_in_dim(eye, j, 0, False) - row @ inverse) / lax.dynamic_index_in_dim(row, j, 0, False)
+            return lax.dynamic_update_index_in_dim(inverse, new, j, 0)
+
+        return lax.fori_loop(jnp.int32(0), jnp.int32(n), body, jnp.zeros_like(lower))
+    h = n // 2
+    a, c = triangular_inverse(lower[:h, :h]), triangular_inverse(lower[h:, h:])
+    return jnp.block([[a, jnp.zeros((h, n - h), lower.dtype)], [-(c @ (lower[h:, :h] @ a)), c]])
+
+
 def _times_inverse_h(b: jax.Array, w: jax.Array) -> jax.Array:
     """``b W^H`` for the lower triangular ``w: (t, t)``, skipping the zero quarter of ``W^H`` (3/4 of the dense
     product's flops)."""

@@ -6,16 +6,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..comm import allgather, allreduce
+from ..comm import allreduce
 from ..core import rank_info
-from ._layout import BlockCyclic, gather_columns, global_columns
+from ._layout import BlockCyclic, global_columns
+from ._potrf import phase_bounds, solver_library, triangular_inverse
 from ._vary import index, vary_like
-
-
-def _factor_column(factor: jax.Array, k: jax.Array, layout: BlockCyclic) -> jax.Array:
-    """This device's copy of global column block ``k`` (meaningful on its owner), `(padded, tile)`."""
-    t = layout.tile
-    return lax.dynamic_slice(factor, index(0, (k // layout.nproc) * t), (layout.padded, t))
 
 
 def cho_solve_local(factor: jax.Array, b: jax.Array, layout: BlockCyclic) -> jax.Array:
@@ -93,26 +88,70 @@ def logdet_local(factor: jax.Array, layout: BlockCyclic) -> jax.Array:
 def inverse_local(factor: jax.Array, layout: BlockCyclic) -> jax.Array:
     """Local columns `(padded, width)` of ``(L L^H)^{-1} = L^{-H} L^{-1}``.
 
-    ``W = L^{-1}`` is computed with its columns distributed like ``L``'s (a right-looking solve against the local
-    columns of the identity, one panel broadcast per step), then gathered so that each device forms its columns of
-    ``W^H W``: ``2 N^3 / P`` flops per device for each of the two stages.
+    Two distributed triangular solves with the identity's columns as right-hand sides, each device on its own
+    columns, the column blocks of ``L`` broadcast by one all-reduce per step (their rows from the phase's first block
+    down; the loops split into ``phase_bounds`` phases with static windows, as in ``potrf_local``):
+
+    1. ``W = L^{-1}``, right-looking: row block ``k`` of ``W`` is ``L_kk^{-1}`` times itself, then the rows below take
+       ``-= L[below k, k] W[k, :]``. Only the columns that can be nonzero by the phase's end take part (``W`` is lower
+       triangular): ``N^3 / (3P)`` flops per device, phase-rounded.
+    2. ``X = L^{-H} W``, left-looking from the last block: ``X[k, :] = L_kk^{-H} (W[k, :] - L[below k, k]^H
+       X[below k, :])``, one ``(tile, rows) x (rows, width)`` product per step: ``N^3 / P`` flops per device.
+
+    Before (until 2026-11-25) ``W`` was updated on all its rows and columns every step and then gathered for
+    ``W^H W`` (``4 N^3 / P`` flops per device): ``potri`` of N = 4096 f64 on 4 devices took 6.5 s, now 2.8 s.
     """
     rank, size, _ = rank_info()
-    t, npad = layout.tile, layout.padded
-    rows = jnp.arange(npad, dtype=jnp.int32)[:, None]
+    t, npad, width = layout.tile, layout.padded, layout.width
+    library = solver_library()
     cols = global_columns(rank, layout)
-    w = (rows == cols[None, :]).astype(factor.dtype)
+    w = vary_like((jnp.arange(npad, dtype=jnp.int32)[:, None] == cols[None, :]).astype(factor.dtype), factor)
+    bounds = phase_bounds(layout.blocks)
 
-    def step(k, w):
-        column = _factor_column(factor, k, layout)
+    def column_block(k, row0, height):
+        """Column block ``k`` of ``L`` from row ``row0`` down, on every device, and its diagonal block."""
+        column = lax.dynamic_slice(factor, index(row0, (k // size) * t), (height, t))
         panel = allreduce(jnp.where(rank == k % size, column, jnp.zeros_like(column)))
-        diag = lax.dynamic_slice(panel, index(k * t, 0), (t, t))
-        wk = lax.linalg.triangular_solve(diag, lax.dynamic_slice(w, index(k * t, 0), (t, layout.width)),
-                                         left_side=True, lower=True)
-        w = lax.dynamic_update_slice(w, wk, index(k * t, 0))
-        below = jnp.where(rows >= (k + 1) * t, panel, jnp.zeros_like(panel))
-        return w - below @ wk
+        return panel, lax.dynamic_slice(panel, index(k * t - row0, 0), (t, t))
 
-    w = lax.fori_loop(jnp.int32(0), jnp.int32(layout.blocks), step, vary_like(w, factor))
-    full = gather_columns(w, layout, allgather)
-    return jnp.conj(full).T @ w
+    for q in range(len(bounds) - 1):
+        first, last = bounds[q], bounds[q + 1]
+        # Columns whose global index is below the phase's last block: the others are still zero in these rows.
+        row0, live = first * t, -(-last // size) * t
+        rows = jnp.arange(npad - row0, dtype=jnp.int32)[:, None]
+
+        def forward(k, win, row0=row0, rows=rows, live=live):
+            panel, diag = column_block(k, row0, npad - row0)
+            wk = lax.dynamic_slice(win, index(k * t - row0, 0), (t, live))
+            if library:
+                wk = lax.linalg.triangular_solve(diag, wk, left_side=True, lower=True)
+            else:
+                wk = triangular_inverse(diag) @ wk
+            win = lax.dynamic_update_slice(win, wk, index(k * t - row0, 0))
+            below = jnp.where(rows >= k * t - row0 + t, panel, jnp.zeros_like(panel))
+            return win - below @ wk
+
+        win = lax.fori_loop(jnp.int32(first), jnp.int32(last), forward, w[row0:, :live])
+        w = w.at[row0:, :live].set(win)
+
+    x = jnp.zeros_like(w)
+    for q in reversed(range(len(bounds) - 1)):
+        first, last = bounds[q], bounds[q + 1]
+        row0 = first * t
+        rows = jnp.arange(npad - row0, dtype=jnp.int32)[:, None]
+
+        def backward(i, win, first=first, last=last, row0=row0, rows=rows):
+            k = first + last - 1 - i
+            panel, diag = column_block(k, row0, npad - row0)
+            below = jnp.where(rows >= k * t - row0 + t, panel, jnp.zeros_like(panel))
+            rhs = lax.dynamic_slice(w, index(k * t, 0), (t, width)) - jnp.conj(below).T @ win
+            if library:
+                xk = lax.linalg.triangular_solve(diag, rhs, left_side=True, lower=True, transpose_a=True,
+                                                 conjugate_a=True)
+            else:
+                xk = jnp.conj(triangular_inverse(diag)).T @ rhs
+            return lax.dynamic_update_slice(win, xk, index(k * t - row0, 0))
+
+        win = lax.fori_loop(jnp.int32(first), jnp.int32(last), backward, x[row0:])
+        x = x.at[row0:].set(win)
+    return x
