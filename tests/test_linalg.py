@@ -231,11 +231,12 @@ def test_recursive_diagonal_blocks(dtype):
 
 
 def test_solver_library_path(monkeypatch):
-    """The path GPUs take (cuSOLVER-style potrf + triangular solve per diagonal block), forced on CPU devices: the
-    same factor, solution and ``info`` as the matrix-product path."""
-    from shardax.linalg import _potrf
+    """The path GPUs take (cuSOLVER-style potrf + triangular solves per diagonal block), forced on CPU devices: the
+    same factor, solution, inverse and ``info`` as the matrix-product path."""
+    from shardax.linalg import _potrf, _solve
 
     monkeypatch.setattr(_potrf, "solver_library", lambda: True)
+    monkeypatch.setattr(_solve, "solver_library", lambda: True)
     mesh = make_mesh((2,))
     n, tile = 90, 16
     with jax.enable_x64(True):
@@ -244,6 +245,7 @@ def test_solver_library_path(monkeypatch):
         close(sx.linalg.potrf(ad, tile=tile), np.linalg.cholesky(a), np.float64)
         b = rhs(n, 2, np.float64)
         close(sx.linalg.potrs(ad, jnp.asarray(b), tile=tile), sl.cho_solve(sl.cho_factor(a), b), np.float64)
+        close(sx.linalg.potri(ad, tile=tile), np.linalg.inv(a), np.float64, scale=3.0)
         a[40, 40] = -1.0
         factor, status = sx.linalg.potrf(put(a, mesh, "cols"), tile=tile, return_status=True)
     assert int(status) == first_bad_minor(a) == 41
