@@ -233,10 +233,9 @@ def test_recursive_diagonal_blocks(dtype):
 def test_solver_library_path(monkeypatch):
     """The path GPUs take (cuSOLVER-style potrf + triangular solves per diagonal block), forced on CPU devices: the
     same factor, solution, inverse and ``info`` as the matrix-product path."""
-    from shardax.linalg import _potrf, _solve
+    from shardax.linalg import _potrf
 
     monkeypatch.setattr(_potrf, "solver_library", lambda: True)
-    monkeypatch.setattr(_solve, "solver_library", lambda: True)
     mesh = make_mesh((2,))
     n, tile = 90, 16
     with jax.enable_x64(True):

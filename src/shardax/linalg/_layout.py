@@ -20,8 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 # with few local blocks the factorisation's phases (``_potrf.MAX_PHASES``) are coarse, its products do more flops than
 # an exact Cholesky, and fewer steps leave the owners' diagonal blocks a larger share. `potrs` f64 with the
 # left-looking `potrf` (2026-11-25, `benchmarks/linalg.py --tile T`): N = 4096 on 4 devices 0.48 s with tile 64,
-# 0.55 s with 128; N = 8192 on 4 devices 3.17 s with 64, 2.97 s with 128; N = 4096 on 1 device 0.42 s with 256,
-# 0.46 s with 128, 0.44 s with 64.
+# 0.55 s with 128; N = 8192 on 4 devices 3.17 s with 64, 2.97 s with 128. N = 4096 on 1 device (round-robin in one
+# process): 0.42 s with 256, 0.46 s with 128, 0.44 s with 64.
 DEFAULT_TILE = 256
 MIN_TILE = 64
 MIN_LOCAL_BLOCKS = 16

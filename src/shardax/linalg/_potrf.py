@@ -29,13 +29,26 @@ def phase_bounds(count: int, max_phases: int = MAX_PHASES) -> list[int]:
 LEAF = 32
 
 
+def _with_inverse_row(inverse: jax.Array, row: jax.Array, j: jax.Array) -> jax.Array:
+    """``inverse`` with its row ``j`` formed from row ``j`` of a lower triangular ``L`` by forward substitution
+    (``L[j, j] X[j] = e_j - L[j, :j] X[:j]``; rows ``>= j`` of ``inverse`` are still zero)."""
+    unit = (jnp.arange(inverse.shape[0], dtype=jnp.int32) == j).astype(inverse.dtype)
+    new = (unit - row @ inverse) / lax.dynamic_index_in_dim(row, j, 0, False)
+    return lax.dynamic_update_index_in_dim(inverse, new, j, 0)
+
+
+def _inverse_blocks(a_inv: jax.Array, b: jax.Array, c_inv: jax.Array) -> jax.Array:
+    """``[[A, 0], [B, C]]^{-1} = [[A^{-1}, 0], [-C^{-1} B A^{-1}, C^{-1}]]`` from the inverses of the diagonal blocks."""
+    zeros = jnp.zeros((a_inv.shape[0], c_inv.shape[0]), a_inv.dtype)
+    return jnp.block([[a_inv, zeros], [-(c_inv @ (b @ a_inv)), c_inv]])
+
+
 def _leaf_factor(d: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(L, L^{-1})`` of the Hermitian ``d: (n, n)`` (lower triangle read) by an unblocked Cholesky whose step ``j``
     also forms row ``j`` of the inverse (it needs only rows ``<= j`` of ``L``). NaN where ``d`` is not positive
     definite."""
     n = d.shape[0]
     rows = jnp.arange(n, dtype=jnp.int32)
-    eye = jnp.eye(n, dtype=d.dtype)
 
     def body(j, carry):
         m, factor, inverse = carry
@@ -44,9 +57,7 @@ def _leaf_factor(d: jax.Array) -> tuple[jax.Array, jax.Array]:
         column = lax.dynamic_index_in_dim(m, j, 1, False) / root.astype(m.dtype)
         column = jnp.where(rows > j, column, jnp.where(rows == j, root.astype(m.dtype), jnp.zeros_like(column)))
         factor = lax.dynamic_update_index_in_dim(factor, column, j, 1)
-        row = lax.dynamic_index_in_dim(factor, j, 0, False)
-        inverse_row = (lax.dynamic_index_in_dim(eye, j, 0, False) - row @ inverse) / row[j]
-        inverse = lax.dynamic_update_index_in_dim(inverse, inverse_row, j, 0)
+        inverse = _with_inverse_row(inverse, lax.dynamic_index_in_dim(factor, j, 0, False), j)
         return m - column[:, None] * jnp.conj(column)[None, :], factor, inverse
 
     zeros = jnp.zeros_like(d)
@@ -65,9 +76,8 @@ def diagonal_factor(d: jax.Array) -> tuple[jax.Array, jax.Array]:
     l11, w11 = diagonal_factor(d[:h, :h])
     l21 = d[h:, :h] @ jnp.conj(w11).T
     l22, w22 = diagonal_factor(d[h:, h:] - l21 @ jnp.conj(l21).T)
-    w21 = -(w22 @ (l21 @ w11))
     zeros = jnp.zeros((h, n - h), d.dtype)
-    return jnp.block([[l11, zeros], [l21, l22]]), jnp.block([[w11, zeros], [w21, w22]])
+    return jnp.block([[l11, zeros], [l21, l22]]), _inverse_blocks(w11, l21, w22)
 
 
 def triangular_inverse(lower: jax.Array) -> jax.Array:
@@ -76,17 +86,23 @@ def triangular_inverse(lower: jax.Array) -> jax.Array:
     [-C^{-1} B A^{-1}, C^{-1}]]``, with leaves of at most ``LEAF`` rows solved by forward substitution."""
     n = lower.shape[0]
     if n <= LEAF:
-        eye = jnp.eye(n, dtype=lower.dtype)
-
         def body(j, inverse):
-            row = lax.dynamic_index_in_dim(lower, j, 0, False)
-            new = (lax.dynamic_index_in_dim(eye, j, 0, False) - row @ inverse) / lax.dynamic_index_in_dim(row, j, 0, False)
-            return lax.dynamic_update_index_in_dim(inverse, new, j, 0)
+            return _with_inverse_row(inverse, lax.dynamic_index_in_dim(lower, j, 0, False), j)
 
         return lax.fori_loop(jnp.int32(0), jnp.int32(n), body, jnp.zeros_like(lower))
     h = n // 2
-    a, c = triangular_inverse(lower[:h, :h]), triangular_inverse(lower[h:, h:])
-    return jnp.block([[a, jnp.zeros((h, n - h), lower.dtype)], [-(c @ (lower[h:, :h] @ a)), c]])
+    return _inverse_blocks(triangular_inverse(lower[:h, :h]), lower[h:, :h], triangular_inverse(lower[h:, h:]))
+
+
+def solve_diagonal(diag: jax.Array, rhs: jax.Array, *, adjoint: bool = False) -> jax.Array:
+    """``L^{-1} rhs`` (``L^{-H} rhs`` if ``adjoint``) for the lower triangular diagonal block ``diag: (t, t)`` and
+    ``rhs: (t, m)``: the solver library's triangular solve where :func:`solver_library` says so, else a product with
+    :func:`triangular_inverse`."""
+    if solver_library():
+        return lax.linalg.triangular_solve(diag, rhs, left_side=True, lower=True, transpose_a=adjoint,
+                                           conjugate_a=adjoint)
+    inverse = triangular_inverse(diag)
+    return (jnp.conj(inverse).T if adjoint else inverse) @ rhs
 
 
 def _times_inverse_h(b: jax.Array, w: jax.Array) -> jax.Array:

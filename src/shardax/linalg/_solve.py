@@ -9,7 +9,7 @@ from jax import lax
 from ..comm import allreduce
 from ..core import rank_info
 from ._layout import BlockCyclic, global_columns
-from ._potrf import phase_bounds, solver_library, triangular_inverse
+from ._potrf import phase_bounds, solve_diagonal
 from ._vary import index, vary_like
 
 
@@ -103,7 +103,6 @@ def inverse_local(factor: jax.Array, layout: BlockCyclic) -> jax.Array:
     """
     rank, size, _ = rank_info()
     t, npad, width = layout.tile, layout.padded, layout.width
-    library = solver_library()
     cols = global_columns(rank, layout)
     w = vary_like((jnp.arange(npad, dtype=jnp.int32)[:, None] == cols[None, :]).astype(factor.dtype), factor)
     bounds = phase_bounds(layout.blocks)
@@ -122,11 +121,7 @@ def inverse_local(factor: jax.Array, layout: BlockCyclic) -> jax.Array:
 
         def forward(k, win, row0=row0, rows=rows, live=live):
             panel, diag = column_block(k, row0, npad - row0)
-            wk = lax.dynamic_slice(win, index(k * t - row0, 0), (t, live))
-            if library:
-                wk = lax.linalg.triangular_solve(diag, wk, left_side=True, lower=True)
-            else:
-                wk = triangular_inverse(diag) @ wk
+            wk = solve_diagonal(diag, lax.dynamic_slice(win, index(k * t - row0, 0), (t, live)))
             win = lax.dynamic_update_slice(win, wk, index(k * t - row0, 0))
             below = jnp.where(rows >= k * t - row0 + t, panel, jnp.zeros_like(panel))
             return win - below @ wk
@@ -145,12 +140,7 @@ def inverse_local(factor: jax.Array, layout: BlockCyclic) -> jax.Array:
             panel, diag = column_block(k, row0, npad - row0)
             below = jnp.where(rows >= k * t - row0 + t, panel, jnp.zeros_like(panel))
             rhs = lax.dynamic_slice(w, index(k * t, 0), (t, width)) - jnp.conj(below).T @ win
-            if library:
-                xk = lax.linalg.triangular_solve(diag, rhs, left_side=True, lower=True, transpose_a=True,
-                                                 conjugate_a=True)
-            else:
-                xk = jnp.conj(triangular_inverse(diag)).T @ rhs
-            return lax.dynamic_update_slice(win, xk, index(k * t - row0, 0))
+            return lax.dynamic_update_slice(win, solve_diagonal(diag, rhs, adjoint=True), index(k * t - row0, 0))
 
         win = lax.fori_loop(jnp.int32(first), jnp.int32(last), backward, x[row0:])
         x = x.at[row0:].set(win)
