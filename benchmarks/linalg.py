@@ -5,10 +5,12 @@ cho_solve``, ``syevd`` against ``scipy.linalg.eigh`` and ``potri`` (f64) against
 variant runs in the same process in interleaved rounds (robust to noise on a shared machine); the table gives
 medians, GFLOP/s (``N^3/3 + 2 N^2 K`` for potrs) and the ratio to SciPy. A communication/compute split comes from
 timing the same program's collectives alone (the column-block all-reduces of ``potrf`` as a loop of all-reduces of
-the same sizes) and from the factorisation on one device.
+the same sizes) and from the factorisation on one device. ``potrs`` and ``potri`` also run on a 2D process grid
+(``--grid``, default the squarest grid of the devices: 2x2 on 4), reported beside the default 1D layout.
 
     python benchmarks/linalg.py                    # potrs N=4096, 8192 f32+f64, syevd N=2048, potri N=4096, 4 devices
     python benchmarks/linalg.py --potrs 2048 --syevd 512 --potri 1024 --repeats 3
+    python benchmarks/linalg.py --potrs 4096 --dtypes float64 --syevd --potri --grid 4x2 --devices 8
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--tile", type=int, default=None,
                         help="block size (default: the library's, 256, 128 or 64 by N and devices)")
     parser.add_argument("--nrhs", type=int, default=1, help="right-hand sides (default 1)")
+    parser.add_argument("--grid", default="auto",
+                        help="2D process grid for the extra potrs/potri variant: RxC, 'auto' (the squarest with more "
+                             "than one row: 2x2 on 4 devices) or 'none'")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (default 3)")
     parser.add_argument("--json", help="also write the results to this JSON file")
     return parser.parse_args()
@@ -52,8 +57,19 @@ def _rounds(variants: dict[str, Callable[[], object]], repeats: int) -> dict[str
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def _grid(spec: str, devices: int) -> tuple[int, int] | None:
+    if spec == "none":
+        return None
+    if spec == "auto":
+        rows = max(r for r in range(1, int(devices ** 0.5) + 1) if devices % r == 0)
+        return (rows, devices // rows) if rows > 1 else None
+    rows, cols = (int(v) for v in spec.lower().split("x"))
+    return rows, cols
+
+
 def main() -> None:
     args = _parse()
+    grid = _grid(args.grid, args.devices)
     import jax
 
     jax.config.update("jax_num_cpu_devices", args.devices)
@@ -103,6 +119,8 @@ def main() -> None:
                 "shardax-1dev": lambda a1=a1, b1=b1: block(sx.linalg.potrs(a1, b1, tile=args.tile)),
                 "collectives": lambda panel=panel: block(comm_only(panel)),
             }
+            if grid:
+                variants["grid"] = lambda ad=ad, bd=bd: block(sx.linalg.potrs(ad, bd, tile=args.tile, grid=grid))
             t = _rounds(variants, args.repeats)
             x = np.asarray(sx.linalg.potrs(ad, bd, tile=args.tile))
             residual = float(np.linalg.norm(a @ x - b) / (np.linalg.norm(a) * np.linalg.norm(x)))
@@ -112,6 +130,9 @@ def main() -> None:
                          "collectives_s": t["collectives"], "scipy_gflops": flops / t["scipy"] / 1e9,
                          "shardax_gflops": flops / t["shardax"] / 1e9, "ratio": t["scipy"] / t["shardax"],
                          "residual": residual})
+            if grid:
+                rows[-1].update({"grid": f"{grid[0]}x{grid[1]}", "grid_s": t["grid"],
+                                 "grid_ratio": t["scipy"] / t["grid"]})
             print(json.dumps(rows[-1]), flush=True)
 
     for n in args.potri:
@@ -131,6 +152,8 @@ def main() -> None:
             "shardax": lambda ad=ad: block(sx.linalg.potri(ad, tile=args.tile)),
             "shardax-1dev": lambda a1=a1: block(sx.linalg.potri(a1, tile=args.tile)),
         }
+        if grid:
+            variants["grid"] = lambda ad=ad: block(sx.linalg.potri(ad, tile=args.tile, grid=grid))
         t = _rounds(variants, args.repeats)
         inverse = np.asarray(sx.linalg.potri(ad, tile=args.tile))
         residual = float(np.linalg.norm(a @ inverse - np.eye(n)) / (np.linalg.norm(a) * np.linalg.norm(inverse)))
@@ -138,6 +161,9 @@ def main() -> None:
                      "tile": BlockCyclic.create(n, args.tile, args.devices).tile, "scipy_s": t["scipy"],
                      "shardax_s": t["shardax"], "shardax_1dev_s": t["shardax-1dev"],
                      "ratio": t["shardax"] / t["scipy"], "residual": residual})
+        if grid:
+            rows[-1].update({"grid": f"{grid[0]}x{grid[1]}", "grid_s": t["grid"],
+                             "grid_ratio": t["grid"] / t["scipy"]})
         print(json.dumps(rows[-1]), flush=True)
 
     for n in args.syevd:
@@ -162,14 +188,16 @@ def main() -> None:
 
     print()
     print(f"{'op':6} {'N':>5} {'dtype':8} {'tile':>4} {'scipy s':>8} {'sx s':>8} {'sx 1dev s':>9} {'comm s':>7} "
-          f"{'scipy GF/s':>10} {'sx GF/s':>8} {'ratio':>6}")
+          f"{'scipy GF/s':>10} {'sx GF/s':>8} {'ratio':>6} {'grid':>5} {'grid s':>7} {'g ratio':>7}")
     for r in rows:
         print(f"{r['op']:6} {r['n']:5d} {r['dtype']:8} {r.get('tile', '-'):>4} {r['scipy_s']:8.3f} {r['shardax_s']:8.3f} "
               f"{r['shardax_1dev_s']:9.3f} {r.get('collectives_s', float('nan')):7.3f} "
               f"{r.get('scipy_gflops', float('nan')):10.1f} {r.get('shardax_gflops', float('nan')):8.1f} "
-              f"{r['ratio']:6.2f}")
+              f"{r['ratio']:6.2f} {r.get('grid', '-'):>5} {r.get('grid_s', float('nan')):7.3f} "
+              f"{r.get('grid_ratio', float('nan')):7.2f}")
     print("ratio: potrs = shardax GFLOP/s / scipy GFLOP/s (target >= 0.7); syevd = shardax time / scipy time "
-          "(target <= 3); potri = shardax time / LAPACK potrf + potri time (no target)")
+          "(target <= 3); potri = shardax time / LAPACK potrf + potri time (no target); grid: the same on the 2D "
+          "process grid")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -14,7 +14,18 @@ from jax.test_util import check_grads
 import shardax as sx
 from conftest import make_mesh
 from shardax.linalg._core import solve_local
-from shardax.linalg._layout import BlockCyclic, default_tile, from_cyclic, to_cyclic
+from shardax.linalg._layout import (
+    COL,
+    ROW,
+    BlockCyclic,
+    cyclic_spec,
+    default_tile,
+    from_cyclic,
+    grid_mesh,
+    to_columns_local,
+    to_cyclic,
+    to_grid_local,
+)
 from shardax.linalg._potrf import potrf_local
 from shardax.linalg._syevd import jacobi_eigh_local, tridiagonal_eigh_local, tridiagonal_layout
 
@@ -149,6 +160,70 @@ def test_potrf_phases_across_local_blocks(shape, tile):
         factor, status = sx.linalg.potrf(put(broken, mesh, "cols"), tile=tile, return_status=True)
         assert int(status) == first_bad_minor(broken) == bad
         assert np.isnan(np.asarray(factor)).all()
+
+
+@pytest.mark.parametrize(("shape", "grid", "layout", "n", "tile"), [
+    ((4,), (2, 2), "rows", 52, 3),
+    ((2, 4), (2, 4), "2d", 200, 4),  # 50 steps: phase bounds inside local row and column blocks
+    ((8,), (4, 2), "cols", 96, 5),
+    ((2, 4), (8, 1), "replicated", 997, 64),
+])
+def test_process_grid(shape, grid, layout, n, tile):
+    """The 2D process grid (any grid of the mesh's devices, whatever the mesh's shape): factor, solve,
+    log-determinant, inverse and the failing minor's ``info`` on any process row and column match LAPACK's."""
+    mesh = make_mesh(shape)
+    a, b = hpd(n, np.float32, seed=n), rhs(n, 3, np.float32)
+    ad = put(a, mesh, layout)
+    factor, status = sx.linalg.potrf(ad, tile=tile, grid=grid, return_status=True)
+    close(factor, np.linalg.cholesky(a), np.float32)
+    assert int(status) == 0 and factor.sharding == ad.sharding
+    x, logdet = sx.linalg.potrs(ad, jnp.asarray(b), tile=tile, grid=grid, return_logdet=True)
+    close(x, sl.cho_solve(sl.cho_factor(a), b), np.float32)
+    close(logdet, np.linalg.slogdet(a.astype(np.float64))[1], np.float32)
+    inverse = sx.linalg.potri(ad, tile=tile, grid=grid)
+    close(inverse, np.linalg.inv(a), np.float32, scale=3.0)
+    assert inverse.sharding == ad.sharding
+    t = BlockCyclic.create(n, tile, mesh.size).tile
+    for bad in (t + 2, n // 2 + 1, n):  # blocks 1, ~middle and last: different grid rows and columns
+        broken = a.copy()
+        broken[bad - 1, bad - 1] = -1.0
+        bd = put(broken, mesh, layout)
+        factor, status = sx.linalg.potrf(bd, tile=tile, grid=grid, return_status=True)
+        x, solve_status = sx.linalg.potrs(bd, jnp.asarray(b), tile=tile, grid=grid, return_status=True)
+        assert int(status) == int(solve_status) == first_bad_minor(broken) == bad
+        assert np.isnan(np.asarray(factor)).all() and np.isnan(np.asarray(x)).all()
+
+
+@pytest.mark.parametrize(("shape", "rows"), [((4,), 2), ((2, 4), 2), ((8,), 4)])
+def test_grid_layout_exchange(shape, rows):
+    """``to_cyclic`` for a 2D layout gives each grid position its blocks (block ``(i, j)`` on ``(i % rows,
+    j % cols)``), and the all-to-all ``to_columns_local`` / ``to_grid_local`` move them to the 1D columns and back."""
+    mesh = make_mesh(shape)
+    n = 45
+    layout = BlockCyclic.create(n, 3, mesh.size, rows)
+    grid = grid_mesh(mesh, layout)
+    assert grid.axis_names == (ROW, COL) and grid.devices.shape == (rows, mesh.size // rows)
+    a = np.arange(n * n, dtype=np.float32).reshape(n, n)
+    cyclic = to_cyclic(jnp.asarray(a), layout)
+    padded = np.eye(layout.padded, dtype=np.float32)
+    padded[:n, :n] = a
+    t, height, width = layout.tile, layout.padded // rows, layout.padded // layout.cols
+    for p in range(rows):
+        for q in range(layout.cols):
+            local = np.asarray(cyclic)[p * height:(p + 1) * height, q * width:(q + 1) * width]
+            for i in range(height // t):
+                for j in range(width // t):
+                    gi, gj = i * rows + p, j * layout.cols + q
+                    np.testing.assert_array_equal(local[i * t:(i + 1) * t, j * t:(j + 1) * t],
+                                                  padded[gi * t:(gi + 1) * t, gj * t:(gj + 1) * t])
+    np.testing.assert_array_equal(np.asarray(from_cyclic(cyclic, layout)), a)
+    columns = sx.smap(lambda x: to_columns_local(x, layout), in_specs=(cyclic_spec(grid, layout),),
+                      out_specs=cyclic_spec(grid), mesh=grid, expand=False)
+    back = sx.smap(lambda x: to_grid_local(to_columns_local(x, layout), layout),
+                   in_specs=(cyclic_spec(grid, layout),), out_specs=cyclic_spec(grid, layout), mesh=grid,
+                   expand=False)
+    np.testing.assert_array_equal(np.asarray(from_cyclic(columns(cyclic), layout.columns())), a)
+    np.testing.assert_array_equal(np.asarray(back(cyclic)), np.asarray(cyclic))
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.complex64, np.complex128])
@@ -288,6 +363,10 @@ def test_jaxmg_positional_call():
     (lambda a, b: sx.linalg.potrs(a, b, mesh="x"), TypeError, "mesh must be"),
     (lambda a, b: sx.linalg.potrs(a, b, return_status=1), TypeError, "return_status must be True or False"),
     (lambda a, b: sx.linalg.potrf(a, tile=True), TypeError, "tile must be a positive int"),
+    (lambda a, b: sx.linalg.potrs(a, b, grid=(3, 3)), ValueError, r"grid=\(3, 3\) must .* 8 devices, e.g. \(2, 4\)"),
+    (lambda a, b: sx.linalg.potri(a, grid=(0, 8)), ValueError, "must be positive"),
+    (lambda a, b: sx.linalg.potrf(a, grid="2x4"), TypeError, "grid must be None or a pair"),
+    (lambda a, b: sx.linalg.potrf(a, grid=(2.0, 4)), TypeError, "grid must be None or a pair"),
     (lambda a, b: sx.linalg.potri(a[None]), ValueError, "square"),
     (lambda a, b: sx.linalg.syevd(a, max_sweeps=0), ValueError, "max_sweeps"),
     (lambda a, b: sx.linalg.syevd(a, method="qr"), ValueError, "method"),
@@ -299,16 +378,18 @@ def test_errors(call, error, match):
         call(a, b)
 
 
-@pytest.mark.parametrize(("shape", "dtype"), [((1,), np.float64), ((2, 2), np.float64), ((4,), np.complex128)])
-def test_gradients(shape, dtype):
+@pytest.mark.parametrize(("shape", "dtype", "grid"), [((1,), np.float64, None), ((2, 2), np.float64, None),
+                                                   ((4,), np.complex128, None), ((2, 2), np.complex128, (2, 2))])
+def test_gradients(shape, dtype, grid):
     mesh = make_mesh(shape)
     n = 12
     with jax.enable_x64(True):
         a, b = jnp.asarray(hpd(n, dtype, seed=10)), jnp.asarray(rhs(n, 2, dtype))
-        check_grads(lambda a, b: sx.linalg.potrs(a, b, tile=3, mesh=mesh), (a, b), order=1, modes=["rev"])
-        check_grads(lambda a: sx.linalg.potrs(a, b, tile=3, mesh=mesh, return_logdet=True)[1], (a,), order=1,
+        check_grads(lambda a, b: sx.linalg.potrs(a, b, tile=3, mesh=mesh, grid=grid), (a, b), order=1,
                     modes=["rev"])
-        logdet = sx.linalg.potrs(a, b, tile=3, mesh=mesh, return_logdet=True)[1]
+        check_grads(lambda a: sx.linalg.potrs(a, b, tile=3, mesh=mesh, return_logdet=True, grid=grid)[1], (a,),
+                    order=1, modes=["rev"])
+        logdet = sx.linalg.potrs(a, b, tile=3, mesh=mesh, return_logdet=True, grid=grid)[1]
     assert np.isclose(float(logdet), np.linalg.slogdet(np.asarray(a))[1], rtol=1e-10)
 
 

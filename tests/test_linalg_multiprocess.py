@@ -48,22 +48,30 @@ def linalg_checks() -> dict:
     # n = 61 does not split over the mesh: pad to 64 for the sharded input, solve the leading 61 x 61 block.
     a64 = np.eye(64, dtype=np.float32)
     a64[:n, :n] = a
-    for label, mesh, spec in [("rows", flat, P("d", None)), ("cols", flat, P(None, "d")),
-                              ("2d", grid, P("hosts", "d")), ("host-cols", grid, P(None, "d"))]:
+    # The last two: 2D process grids whose process columns span both processes (the all-to-all and the row
+    # broadcasts go over gloo).
+    for label, mesh, spec, process_grid in [("rows", flat, P("d", None), None), ("cols", flat, P(None, "d"), None),
+                                            ("2d", grid, P("hosts", "d"), None),
+                                            ("host-cols", grid, P(None, "d"), None),
+                                            ("grid-2x4", grid, P("hosts", "d"), (2, 4)),
+                                            ("grid-4x2", flat, P("d", None), (4, 2))]:
         ad = _put(a64, NamedSharding(mesh, spec))
         bd = _put(np.pad(b, ((0, 3), (0, 0))), NamedSharding(mesh, P()))
-        x, logdet, status = sx.linalg.potrs(ad, bd, tile=5, return_logdet=True, return_status=True)
+        x, logdet, status = sx.linalg.potrs(ad, bd, tile=5, return_logdet=True, return_status=True,
+                                            grid=process_grid)
         errors[f"potrs-{label}"] = float(np.max(np.abs(_replicated(x, mesh)[:n] - x_ref)))
         errors[f"logdet-{label}"] = abs(float(_replicated(logdet, mesh)) - float(np.linalg.slogdet(a)[1]))
         statuses[f"potrs-{label}"] = int(_replicated(status, mesh))
-        factor = sx.linalg.potrf(ad, tile=5)
+        factor = sx.linalg.potrf(ad, tile=5, grid=process_grid)
         errors[f"potrf-{label}"] = _error(factor, np.pad(l_ref, ((0, 3), (0, 3))) + np.diag([0.0] * n + [1.0] * 3))
-        inverse = sx.linalg.potri(ad, tile=5)
+        inverse = sx.linalg.potri(ad, tile=5, grid=process_grid)
         errors[f"potri-{label}"] = _error(inverse, np.pad(inv_ref, ((0, 3), (0, 3))) + np.diag([0.0] * n + [1.0] * 3))
     bad = a.copy()
     bad[29, 29] = -1.0
     _, status = sx.linalg.potrs(bad, b, tile=4, mesh=grid, return_status=True)
     statuses["not-spd"] = int(_replicated(status, grid))
+    _, status = sx.linalg.potrf(bad, tile=4, mesh=grid, return_status=True, grid=(2, 4))
+    statuses["not-spd-grid"] = int(_replicated(status, grid))
     w, v, status = sx.linalg.syevd(_put(sym, NamedSharding(grid, P())), mesh=grid, return_status=True)
     w = _replicated(w, grid)
     v = _replicated(v, grid)
@@ -95,5 +103,6 @@ def test_linalg_two_processes():
     for result in results:
         for name, error in result["errors"].items():
             assert error < 2e-4, (name, error)
-        assert result["statuses"] == {**{f"potrs-{k}": 0 for k in ("rows", "cols", "2d", "host-cols")},
-                                      "not-spd": 30, "syevd": 0}
+        labels = ("rows", "cols", "2d", "host-cols", "grid-2x4", "grid-4x2")
+        assert result["statuses"] == {**{f"potrs-{k}": 0 for k in labels}, "not-spd": 30, "not-spd-grid": 30,
+                                      "syevd": 0}

@@ -15,6 +15,7 @@ from ..core import smap
 from ._checks import (
     apply_in_specs,
     check_flag,
+    check_grid,
     check_matrix,
     check_rhs,
     check_tile,
@@ -27,7 +28,7 @@ from ._checks import (
     under_auto_axes,
 )
 from ._core import solve_local
-from ._layout import BlockCyclic, cyclic_spec, from_cyclic, to_cyclic
+from ._layout import BlockCyclic, cyclic_spec, from_cyclic, grid_mesh, to_columns_local, to_cyclic
 from ._potrf import potrf_local
 from ._solve import inverse_local
 from ._syevd import jacobi_eigh_local, tridiagonal_eigh_local, tridiagonal_layout
@@ -50,8 +51,10 @@ def _reshard(x: Any, sharding: NamedSharding | None) -> Any:
 
 @functools.lru_cache(maxsize=64)
 def _solver(mesh: Mesh, layout: BlockCyclic, with_logdet: bool, b_sharding: NamedSharding | None):
-    local = smap(lambda a, b: solve_local(a, b, layout, with_logdet), in_specs=(cyclic_spec(mesh), PartitionSpec()),
-                 out_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec()), mesh=mesh, expand=False)
+    grid = grid_mesh(mesh, layout)
+    local = smap(lambda a, b: solve_local(a, b, layout, with_logdet),
+                 in_specs=(cyclic_spec(grid, layout), PartitionSpec()),
+                 out_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec()), mesh=grid, expand=False)
 
     @jax.jit
     def run(a, b):
@@ -66,28 +69,35 @@ def _solver(mesh: Mesh, layout: BlockCyclic, with_logdet: bool, b_sharding: Name
 
 @functools.lru_cache(maxsize=64)
 def _factor(mesh: Mesh, layout: BlockCyclic, inverse: bool, a_sharding: NamedSharding | None):
+    grid = grid_mesh(mesh, layout)
+    # The inverse's triangular solves run on the 1D columns (on a 2D grid, after one all-to-all of the factor).
+    out_layout = layout.columns() if inverse else layout
+
     def body(a):
         factor, info = potrf_local(a, layout)
-        return (inverse_local(factor, layout) if inverse else factor), info
+        return (inverse_local(to_columns_local(factor, layout), out_layout) if inverse else factor), info
 
-    local = smap(body, in_specs=(cyclic_spec(mesh),), out_specs=(cyclic_spec(mesh), PartitionSpec()), mesh=mesh,
-                 expand=False)
+    local = smap(body, in_specs=(cyclic_spec(grid, layout),),
+                 out_specs=(cyclic_spec(grid, out_layout), PartitionSpec()), mesh=grid, expand=False)
 
     @jax.jit
     def run(a):
         out, info = local(to_cyclic(a, layout))
-        return _constrain(from_cyclic(out, layout), a_sharding), info
+        return _constrain(from_cyclic(out, out_layout), a_sharding), info
 
     return run
 
 
 def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_specs: Any = None, *,
-          tile: int | None = None, return_status: bool = False, return_logdet: bool = False) -> Any:
+          tile: int | None = None, return_status: bool = False, return_logdet: bool = False,
+          grid: tuple[int, int] | None = None) -> Any:
     """Solve ``a x = b`` for a Hermitian positive definite ``a`` by a distributed blocked Cholesky factorisation.
 
     ``a`` may be sharded by rows ``P(r, None)``, columns ``P(None, c)`` or both ``P(r, c)`` over any mesh; it is
-    redistributed to a 1D block-cyclic column layout over every device of the mesh (``tile`` columns per block,
-    padded internally for any ``N``), factored there, and solved by distributed triangular solves. Only the lower
+    redistributed to a block-cyclic layout over every device of the mesh (``tile`` columns per block, padded
+    internally for any ``N``): 1D columns by default, or a 2D ``rows x cols`` process grid with ``grid`` (ScaLAPACK's
+    layout: less communication per device on many devices). It is factored there and solved by distributed
+    triangular solves on the 1D columns. Only the lower
     triangle of ``a`` is read (LAPACK's convention). Differentiable in ``a`` and ``b`` (custom VJP; with
     ``return_logdet`` the log-determinant too).
 
@@ -109,6 +119,9 @@ def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_s
         return_status: also return the LAPACK ``info``: 0, or ``k > 0`` when the leading minor of order ``k`` is
             not positive definite (``x`` and ``logdet`` are then NaN).
         return_logdet: also return ``log det a`` (real).
+        grid: ``None`` (the 1D column layout) or ``(rows, cols)`` with ``rows * cols`` the mesh's device count: the
+            2D process grid of the factorisation, the mesh's devices in row-major order (whatever the mesh's
+            shape). See docs/linalg.md for when it pays.
 
     Returns:
         ``x`` (``b``'s shape and sharding), then ``logdet`` if asked, then ``status`` if asked (jaxmg's order).
@@ -129,14 +142,14 @@ def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_s
         specs = (_spec(b),) + ((PartitionSpec(),) if return_logdet else ()) + ((PartitionSpec(),) if return_status
                                                                                 else ())
         return under_auto_axes(lambda a, b: potrs(a, b, T_A, mesh, in_specs, tile=tile, return_status=return_status,
-                                                  return_logdet=return_logdet), (a, b),
+                                                  return_logdet=return_logdet, grid=grid), (a, b),
                                specs[0] if len(specs) == 1 else specs)
     user_mesh = resolve_mesh(mesh, a)
     a, b = apply_in_specs(a, b, user_mesh, in_specs)
     the_mesh = computing_mesh(user_mesh)
     a = onto(a, the_mesh)
     b, b_sharding, b_back = enter(b, user_mesh, the_mesh)
-    layout = BlockCyclic.create(a.shape[0], size, the_mesh.size)
+    layout = BlockCyclic.create(a.shape[0], size, the_mesh.size, check_grid(grid, the_mesh.size))
     with computing_on(the_mesh, user_mesh):
         x, logdet, info = _solver(the_mesh, layout, return_logdet, b_sharding)(a, b)
     x = _reshard(x, b_back)
@@ -144,17 +157,19 @@ def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_s
     return out[0] if len(out) == 1 else out
 
 
-def potrf(a: Any, *, tile: int | None = None, mesh: Mesh | None = None, return_status: bool = False) -> Any:
+def potrf(a: Any, *, tile: int | None = None, mesh: Mesh | None = None, return_status: bool = False,
+          grid: tuple[int, int] | None = None) -> Any:
     """Lower Cholesky factor ``L`` (``a = L L^H``) of a Hermitian positive definite ``a``, distributed.
 
-    Blocked left-looking factorisation on a 1D block-cyclic column layout (see :func:`potrs`); only the lower
-    triangle of ``a`` is read.
+    Blocked left-looking factorisation on a 1D block-cyclic column layout, or a 2D process grid with ``grid`` (see
+    :func:`potrs`); only the lower triangle of ``a`` is read.
 
     Args:
         a: `(N, N)` Hermitian positive definite, sharded by rows, columns or both over any mesh.
         tile: block size (default as for :func:`potrs`).
         mesh: as in :func:`potrs`.
         return_status: also return the LAPACK ``info`` (``L`` is all NaN when it is positive).
+        grid: as in :func:`potrs`.
 
     Returns:
         `L: (N, N)` lower triangular with ``a``'s sharding, then ``status`` if asked.
@@ -165,20 +180,24 @@ def potrf(a: Any, *, tile: int | None = None, mesh: Mesh | None = None, return_s
         >>> sx.linalg.potrf(a).tolist()
         [[2.0, 0.0], [1.0, 2.0]]
     """
-    return _factor_api(a, tile, mesh, return_status, inverse=False)
+    return _factor_api(a, tile, mesh, return_status, grid, inverse=False)
 
 
-def potri(a: Any, *, tile: int | None = None, mesh: Mesh | None = None, return_status: bool = False) -> Any:
+def potri(a: Any, *, tile: int | None = None, mesh: Mesh | None = None, return_status: bool = False,
+          grid: tuple[int, int] | None = None) -> Any:
     """Inverse of a Hermitian positive definite ``a`` through its distributed Cholesky factor.
 
-    ``a^{-1} = L^{-H} L^{-1}``: ``L^{-1}`` is solved with its columns distributed like ``L``'s, then each device
-    forms its columns of the product (about ``4 N^3 / P`` flops per device after the factorisation).
+    ``a^{-1} = L^{-H} L^{-1}`` by two distributed triangular solves with the identity's columns, each device on its
+    own columns of the 1D layout: ``W = L^{-1}`` (about ``N^3 / (3P)`` flops per device), then ``L^{-H} W`` (about
+    ``N^3 / P``).
 
     Args:
         a: `(N, N)` Hermitian positive definite, sharded by rows, columns or both over any mesh.
         tile: block size (default as for :func:`potrs`).
         mesh: as in :func:`potrs`.
         return_status: also return the LAPACK ``info`` (the inverse is all NaN when it is positive).
+        grid: as in :func:`potrs`: the factorisation's process grid (the inverse is then formed on the 1D columns,
+            after one all-to-all of the factor).
 
     Returns:
         `(N, N)` the inverse with ``a``'s sharding, then ``status`` if asked.
@@ -189,20 +208,21 @@ def potri(a: Any, *, tile: int | None = None, mesh: Mesh | None = None, return_s
         >>> [[round(float(v), 5) for v in row] for row in inverse]
         [[0.25, 0.0], [0.0, 0.5]]
     """
-    return _factor_api(a, tile, mesh, return_status, inverse=True)
+    return _factor_api(a, tile, mesh, return_status, grid, inverse=True)
 
 
-def _factor_api(a: Any, tile: int | None, mesh: Mesh | None, return_status: bool, *, inverse: bool) -> Any:
+def _factor_api(a: Any, tile: int | None, mesh: Mesh | None, return_status: bool, grid: Any, *,
+                inverse: bool) -> Any:
     check_flag(return_status, "return_status")
     size = check_tile(tile)
     check_matrix(a)
     if explicit_avals(a):  # inside jit under an explicit context mesh
-        return under_auto_axes(lambda a: _factor_api(a, tile, mesh, return_status, inverse=inverse), (a,),
+        return under_auto_axes(lambda a: _factor_api(a, tile, mesh, return_status, grid, inverse=inverse), (a,),
                                (_spec(a), PartitionSpec()) if return_status else _spec(a))
     user_mesh = resolve_mesh(mesh, a)
     the_mesh = computing_mesh(user_mesh)
     a, a_sharding, a_back = enter(a, user_mesh, the_mesh)
-    layout = BlockCyclic.create(a.shape[0], size, the_mesh.size)
+    layout = BlockCyclic.create(a.shape[0], size, the_mesh.size, check_grid(grid, the_mesh.size))
     with computing_on(the_mesh, user_mesh):
         out, info = _factor(the_mesh, layout, inverse, a_sharding)(a)
     out = _reshard(out, a_back)

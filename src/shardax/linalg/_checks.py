@@ -69,6 +69,26 @@ def check_tile(tile: Any, t_a: Any = None) -> int | None:
     return int(value)
 
 
+def check_grid(grid: Any, nproc: int) -> int:
+    """The process rows of ``grid``: ``None`` (the 1D column layout, 1 row) or a pair ``(rows, cols)`` of positive
+    ints whose product is the number of devices ``nproc``."""
+    if grid is None:
+        return 1
+    if not isinstance(grid, tuple | list) or len(grid) != 2 or \
+            not all(isinstance(g, int | np.integer) and not isinstance(g, bool) for g in grid):
+        raise TypeError(f"grid must be None or a pair (rows, cols) of ints, got {grid!r}")
+    rows, cols = (int(g) for g in grid)
+    if rows < 1 or cols < 1 or rows * cols != nproc:
+        raise ValueError(f"grid={tuple(grid)!r} must be positive and multiply to the mesh's {nproc} devices, e.g. "
+                         f"{_square_grid(nproc)}")
+    return rows
+
+
+def _square_grid(nproc: int) -> tuple[int, int]:
+    rows = max(r for r in range(1, int(nproc ** 0.5) + 1) if nproc % r == 0)
+    return rows, nproc // rows
+
+
 def check_flag(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")

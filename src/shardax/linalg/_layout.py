@@ -1,9 +1,17 @@
-"""The internal layout: a 1D block-cyclic distribution of matrix columns over every device of the mesh.
+"""The internal layouts: block-cyclic distributions of a matrix over a 1D or 2D process grid.
 
-Column block ``j`` (of ``tile`` columns) lives on device ``j % nproc`` as that device's local block ``j // nproc``,
-so every device holds all ``padded`` rows and ``padded / nproc`` columns. The columns factored before step ``k`` are
-then a contiguous prefix of every device's local columns, and the columns still to factor a contiguous suffix, which
-keeps the work balanced to the last step and lets each step's product be one dense matrix product per device.
+1D (the default): column block ``j`` (of ``tile`` columns) lives on device ``j % nproc`` as that device's local block
+``j // nproc``, so every device holds all ``padded`` rows and ``padded / nproc`` columns. The columns factored before
+step ``k`` are then a contiguous prefix of every device's local columns, and the columns still to factor a
+contiguous suffix, which keeps the work balanced to the last step and lets each step's product be one dense matrix
+product per device.
+
+2D (``rows > 1``, ScaLAPACK's layout): the devices form a ``rows x cols`` grid (row-major in the mesh's device order)
+and block ``(i, j)`` lives on grid position ``(i % rows, j % cols)``, as local block ``(i // rows, j // cols)``. Each
+device holds ``padded / rows`` rows and ``padded / cols`` columns; a factorisation step broadcasts along process
+columns and reduces along process rows, ``N^2 (1/rows + 1/cols) / 2`` words per device in all instead of the 1D
+layout's ``N^2 / 2``. :func:`to_columns_local` and :func:`to_grid_local` move a matrix between the two in the local
+view (one all-to-all along the process columns).
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ..comm import alltoall
 
 # The default block size, halved (down to MIN_TILE) while that leaves fewer than MIN_LOCAL_BLOCKS blocks per device:
 # with few local blocks the factorisation's phases (``_potrf.MAX_PHASES``) are coarse, its products do more flops than
@@ -45,27 +55,41 @@ class BlockCyclic:
         n: the matrix order given by the user.
         tile: the block size actually used (the requested tile, reduced for small matrices so that padding stays
             below one block per device).
-        nproc: number of devices the columns are dealt to.
+        nproc: number of devices.
+        rows: process rows of the grid (1: the 1D column layout); ``nproc / rows`` process columns.
     """
 
     n: int
     tile: int
     nproc: int
+    rows: int = 1
 
     @classmethod
-    def create(cls, n: int, tile: int | None, nproc: int) -> BlockCyclic:
-        """The layout for a requested ``tile`` (``None``: :func:`default_tile`)."""
+    def create(cls, n: int, tile: int | None, nproc: int, rows: int = 1) -> BlockCyclic:
+        """The layout for a requested ``tile`` (``None``: :func:`default_tile`) on a ``rows x (nproc / rows)``
+        process grid."""
+        if rows < 1 or nproc % rows:
+            raise ValueError(f"a grid of {rows} process rows does not divide {nproc} devices")
         tile = default_tile(n, nproc) if tile is None else tile
-        return cls(n, max(1, min(tile, math.ceil(n / nproc))), nproc)
+        return cls(n, max(1, min(tile, math.ceil(n / nproc))), nproc, rows)
+
+    @property
+    def cols(self) -> int:
+        """Process columns of the grid."""
+        return self.nproc // self.rows
+
+    def columns(self) -> BlockCyclic:
+        """The 1D column layout with the same tile and padding."""
+        return dataclasses.replace(self, rows=1)
 
     @property
     def local_blocks(self) -> int:
-        """Number of column blocks per device."""
+        """Number of column blocks per device in the 1D layout."""
         return math.ceil(self.n / (self.tile * self.nproc))
 
     @property
     def width(self) -> int:
-        """Local columns per device."""
+        """Local columns per device in the 1D layout."""
         return self.local_blocks * self.tile
 
     @property
@@ -80,27 +104,30 @@ class BlockCyclic:
 
 
 def to_cyclic(a: jax.Array, layout: BlockCyclic) -> jax.Array:
-    """Pad ``a: (n, n)`` with the identity to ``(padded, padded)`` and reorder its columns so that device ``r``'s
-    contiguous share of columns (``P(None, axes)``) holds the blocks ``r, r + nproc, r + 2 nproc, ...``."""
+    """Pad ``a: (n, n)`` with the identity to ``(padded, padded)`` and reorder it so that each device's contiguous
+    share (:func:`cyclic_spec`) holds its blocks: in the 1D layout device ``r``'s columns are the blocks ``r, r +
+    nproc, r + 2 nproc, ...``; in the 2D layout the rows are dealt over the process rows the same way too."""
     pad = layout.padded - layout.n
     a = jnp.pad(a, ((0, pad), (0, pad)))
     if pad:
         idx = jnp.arange(layout.n, layout.padded, dtype=jnp.int32)
         a = a.at[idx, idx].set(jnp.ones((), a.dtype))
-    return _deal_columns(a, layout)
+    a = _deal(a, layout.cols, layout.tile)
+    return _deal(a.T, layout.rows, layout.tile).T if layout.rows > 1 else a
 
 
-def _deal_columns(a: jax.Array, layout: BlockCyclic) -> jax.Array:
-    rows = a.shape[0]
-    a = a.reshape(rows, layout.local_blocks, layout.nproc, layout.tile)
-    return a.transpose(0, 2, 1, 3).reshape(rows, layout.padded)
+def _deal(a: jax.Array, parts: int, tile: int, *, back: bool = False) -> jax.Array:
+    """``a``'s column blocks dealt round-robin to ``parts`` contiguous groups (``back``: gathered again)."""
+    rows, cols = a.shape
+    shape = (rows, parts, cols // (parts * tile), tile) if back else (rows, cols // (parts * tile), parts, tile)
+    return a.reshape(shape).transpose(0, 2, 1, 3).reshape(rows, cols)
 
 
 def from_cyclic(a: jax.Array, layout: BlockCyclic) -> jax.Array:
-    """Inverse of :func:`to_cyclic` for a ``(padded, padded)`` matrix: natural column order, padding removed."""
-    rows = a.shape[0]
-    a = a.reshape(rows, layout.nproc, layout.local_blocks, layout.tile)
-    a = a.transpose(0, 2, 1, 3).reshape(rows, layout.padded)
+    """Inverse of :func:`to_cyclic` for a ``(padded, padded)`` matrix: natural order, padding removed."""
+    a = _deal(a, layout.cols, layout.tile, back=True)
+    if layout.rows > 1:
+        a = _deal(a.T, layout.rows, layout.tile, back=True).T
     return a[: layout.n, : layout.n]
 
 
@@ -110,9 +137,57 @@ def global_columns(rank: jax.Array | int, layout: BlockCyclic) -> jax.Array:
     return (local // layout.tile * layout.nproc + rank) * layout.tile + local % layout.tile
 
 
-def cyclic_spec(mesh: Mesh) -> PartitionSpec:
-    """The internal spec: columns split over every mesh axis (row-major rank order, as ``rank_info``)."""
+# Axis names of the process grid (:func:`grid_mesh`).
+ROW, COL = "_sx_grid_row", "_sx_grid_col"
+
+
+def cyclic_spec(mesh: Mesh, layout: BlockCyclic | None = None) -> PartitionSpec:
+    """The internal spec: columns split over every mesh axis (row-major rank order, as ``rank_info``), or for a 2D
+    ``layout`` rows over ``ROW`` and columns over ``COL`` of :func:`grid_mesh`."""
+    if layout is not None and layout.rows > 1:
+        return PartitionSpec(ROW, COL)
     return PartitionSpec(None, tuple(mesh.axis_names))
+
+
+def grid_mesh(mesh: Mesh, layout: BlockCyclic) -> Mesh:
+    """``mesh``'s devices as the layout's process grid: ``rows x cols`` in row-major device order (the same device
+    order, so arrays on ``mesh`` go in and out of one ``jit`` with it), axes ``(ROW, COL)``; ``mesh`` itself for a 1D
+    layout."""
+    if layout.rows == 1:
+        return mesh
+    return Mesh(mesh.devices.reshape(layout.rows, layout.cols), (ROW, COL))
+
+
+def to_columns_local(x: jax.Array, layout: BlockCyclic) -> jax.Array:
+    """This device's 1D local columns ``(padded, width)`` of the matrix whose 2D local blocks are ``x: (padded /
+    rows, padded / cols)`` (inside a map over :func:`grid_mesh`; ``x`` itself for a 1D layout).
+
+    Device ``(p, q)`` is rank ``p cols + q`` of the 1D layout, whose column blocks ``m nproc + p cols + q`` are its
+    local column blocks ``m rows + p`` in the 2D layout, held by every device of its process column: one
+    all-to-all along the process column brings their rows to it."""
+    if layout.rows == 1:
+        return x
+    r, t = layout.rows, layout.tile
+    height = x.shape[0]
+    # (height, m, r, t) -> (r, height, m, t): the columns bound for process row p first.
+    x = x.reshape(height, -1, r, t).transpose(2, 0, 1, 3).reshape(r, height, -1)
+    x = alltoall(x, axis=ROW)  # the local rows of every process row, in process-row order
+    # Local row block i of process row p is global row block i rows + p.
+    return x.reshape(r, height // t, t, -1).transpose(1, 0, 2, 3).reshape(layout.padded, -1)
+
+
+def to_grid_local(x: jax.Array, layout: BlockCyclic) -> jax.Array:
+    """Inverse of :func:`to_columns_local`: the 2D local blocks from the 1D local columns ``x: (padded, width)``."""
+    if layout.rows == 1:
+        return x
+    r, t = layout.rows, layout.tile
+    height = layout.padded // r
+    width = x.shape[1]
+    # Global row block i rows + p goes to process row p as its local row block i.
+    x = x.reshape(height // t, r, t, width).transpose(1, 0, 2, 3).reshape(r, height, width)
+    # After the exchange, part s holds the 1D columns of the device in process row s: its 2D column blocks m rows + s.
+    x = alltoall(x, axis=ROW)
+    return x.reshape(r, height, width // t, t).transpose(1, 2, 0, 3).reshape(height, r * width)
 
 
 def user_sharding(x: object, mesh: Mesh) -> NamedSharding | None:

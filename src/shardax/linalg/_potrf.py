@@ -8,7 +8,7 @@ from jax import lax
 
 from ..comm import allreduce
 from ..core import rank_info
-from ._layout import BlockCyclic
+from ._layout import COL, ROW, BlockCyclic
 from ._vary import index, vary_like
 
 # The fori_loop over factorisation steps is split into at most this many phases with static windows: phase q only
@@ -151,6 +151,8 @@ def potrf_local(a: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.Array
     its inner dimension the device's factored columns; a right-looking update instead writes the whole trailing
     matrix every step and subtracts it in a second pass.
 
+    A 2D layout (``layout.rows > 1``) goes to :func:`potrf_grid_local`.
+
     Args:
         a: `(padded, width)` this device's block-cyclic columns (only the lower triangle is read).
         layout: the block-cyclic layout.
@@ -160,6 +162,8 @@ def potrf_local(a: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.Array
         the matrix is not positive definite; ``info`` the LAPACK status (0, or the 1-based order of the first
         leading minor that is not positive definite), identical on every device.
     """
+    if layout.rows > 1:
+        return potrf_grid_local(a, layout)
     rank, size, _ = rank_info()
     t, npad = layout.tile, layout.padded
     library = solver_library()
@@ -196,18 +200,9 @@ def potrf_local(a: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.Array
             col = allreduce(jnp.where(is_owner, col, jnp.zeros_like(col)) - part)
 
             def factor(col):
-                diag = lax.dynamic_slice(col, index(offset, 0), (t, t))
-                if library:
-                    lkk = jnp.tril(lax.linalg.cholesky(diag, symmetrize_input=False))
-                    panel = lax.linalg.triangular_solve(lkk, col, left_side=False, lower=True, transpose_a=True,
-                                                        conjugate_a=True)
-                else:
-                    lkk, wkk = diagonal_factor(diag)
-                    panel = _times_inverse_h(col, wkk)
-                ok = jnp.all(jnp.isfinite(lkk))
+                lkk, panel, fail = _factor_panel(col, lax.dynamic_slice(col, index(offset, 0), (t, t)), library)
                 panel = jnp.where(rows >= offset + t, panel, jnp.zeros_like(panel))
                 panel = lax.dynamic_update_slice(panel, lkk, index(offset, 0))
-                fail = lax.cond(ok, lambda d: vary_like(jnp.int32(0), d), first_failure, diag)
                 return (lax.dynamic_update_slice(live, panel, index(0, local * t)),
                         jnp.where(fail > 0, fail + k * t, 0).astype(jnp.int32))
 
@@ -217,6 +212,103 @@ def potrf_local(a: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.Array
         live = factor_cols[row0:, done * t:live_end * t]
         live, info = lax.fori_loop(jnp.int32(first), jnp.int32(last), step, (live, info))
         factor_cols = factor_cols.at[row0:, done * t:live_end * t].set(live)
+    return _finish(factor_cols, info)
+
+
+def _finish(factor: jax.Array, info: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The factor (all NaN on failure) and the smallest failing minor over the devices (0 if none)."""
     info = allreduce(jnp.where(info > 0, info, jnp.iinfo(jnp.int32).max), "min")
     info = jnp.where(info == jnp.iinfo(jnp.int32).max, 0, info)
-    return jnp.where(info > 0, jnp.full_like(factor_cols, jnp.nan), factor_cols), info
+    return jnp.where(info > 0, jnp.full_like(factor, jnp.nan), factor), info
+
+
+def _factor_panel(col: jax.Array, diag: jax.Array, library: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(L_kk, col L_kk^{-H}, fail)`` for the diagonal block ``diag`` of column block ``col``; ``fail`` is the
+    1-based pivot where ``diag`` is not positive definite (0 if it is)."""
+    if library:
+        lkk = jnp.tril(lax.linalg.cholesky(diag, symmetrize_input=False))
+        panel = lax.linalg.triangular_solve(lkk, col, left_side=False, lower=True, transpose_a=True,
+                                            conjugate_a=True)
+    else:
+        lkk, wkk = diagonal_factor(diag)
+        panel = _times_inverse_h(col, wkk)
+    fail = lax.cond(jnp.all(jnp.isfinite(lkk)), lambda d: vary_like(jnp.int32(0), d), first_failure, diag)
+    return lkk, panel, fail
+
+
+def potrf_grid_local(a: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.Array]:
+    """:func:`potrf_local` on a 2D process grid (inside a map over ``grid_mesh``, axes ``ROW`` and ``COL``).
+
+    The same left-looking steps, with the communication split along the grid: step ``k`` broadcasts row block ``k``
+    of the factored columns down each process column (an all-reduce over ``ROW`` from its process row), every
+    device multiplies its own rows and columns, the products are summed along each process row (an all-reduce over
+    ``COL``, the owner column adding ``A``'s block) and the diagonal block is broadcast down the process columns;
+    the owner column ``k % cols`` factors it and scales its rows. Per device that is ``N^2 / (2 cols)`` words of row
+    broadcasts and ``N^2 / (2 rows)`` of column reductions over the whole factorisation, against the 1D layout's
+    ``N^2 / 2``; the phases and windows are those of the 1D code, in local row and column blocks.
+
+    Args:
+        a: `(padded / rows, padded / cols)` this device's blocks (lower triangle read).
+        layout: a 2D block-cyclic layout.
+
+    Returns:
+        ``(l, info)`` as :func:`potrf_local`, ``l`` in the same 2D layout as ``a``.
+    """
+    p, q = rank_info(ROW).rank, rank_info(COL).rank
+    pr, pc, t = layout.rows, layout.cols, layout.tile
+    library = solver_library()
+    bounds = phase_bounds(layout.blocks)
+    factor_cols = jnp.zeros_like(a)
+    info = vary_like(jnp.int32(0), a)
+    for ph in range(len(bounds) - 1):
+        first, last = bounds[ph], bounds[ph + 1]
+        # Static windows as in potrf_local: local rows from the first local row block that can hold global block
+        # `first` or later, the local column blocks factored everywhere before the phase (done) and those factored
+        # during it (live).
+        row0, done, live_end = first // pr * t, first // pc, -(-last // pc)
+        height = a.shape[0] - row0
+        factored = factor_cols[row0:, :done * t] if done else None
+        source = a[row0:, done * t:live_end * t]
+        local_rows = jnp.arange(row0, a.shape[0], dtype=jnp.int32)
+        global_rows = ((local_rows // t * pr + p) * t + local_rows % t)[:, None]
+
+        def step(k, carry, done=done, factored=factored, source=source, row0=row0, height=height,
+                 global_rows=global_rows):
+            live, info = carry
+            on_row, on_col = p == k % pr, q == k % pc
+            offset, local = k // pr * t - row0, k // pc - done
+            # Row block k of the factored and live columns, broadcast down the process column (one all-reduce).
+            krow = [lax.dynamic_slice(live, index(offset, 0), (t, live.shape[1]))]
+            if factored is not None:
+                krow.append(lax.dynamic_slice(factored, index(offset, 0), (t, done * t)))
+            krow = lax.psum([jnp.where(on_row, x, jnp.zeros_like(x)) for x in krow], ROW)
+
+            def live_part(live):
+                return live @ jnp.conj(krow[0]).T
+
+            def nothing(live):
+                return vary_like(jnp.zeros((height, t), a.dtype), live)
+
+            # This device's live columns contribute once its first live block (global done * pc + q) is done.
+            part = lax.cond(k > done * pc + q, live_part, nothing, live)
+            if factored is not None:
+                part = part + factored @ jnp.conj(krow[1]).T
+            col = lax.dynamic_slice(source, index(0, local * t), (height, t))
+            col = allreduce(jnp.where(on_col, col, jnp.zeros_like(col)) - part, axis=COL)
+            diag = lax.dynamic_slice(col, index(offset, 0), (t, t))
+            diag = allreduce(jnp.where(on_row, diag, jnp.zeros_like(diag)), axis=ROW)
+
+            def factor(col):
+                lkk, panel, fail = _factor_panel(col, diag, library)
+                panel = jnp.where(global_rows >= (k + 1) * t, panel, jnp.zeros_like(panel))
+                panel = jnp.where(on_row, lax.dynamic_update_slice(panel, lkk, index(offset, 0)), panel)
+                return (lax.dynamic_update_slice(live, panel, index(0, local * t)),
+                        vary_like(jnp.where(fail > 0, fail + k * t, 0).astype(jnp.int32), live))
+
+            live, fail = lax.cond(on_col, factor, lambda col: (live, vary_like(jnp.int32(0), live)), col)
+            return live, jnp.where((info == 0) & (fail > 0), fail, info)
+
+        live = factor_cols[row0:, done * t:live_end * t]
+        live, info = lax.fori_loop(jnp.int32(first), jnp.int32(last), step, (live, info))
+        factor_cols = factor_cols.at[row0:, done * t:live_end * t].set(live)
+    return _finish(factor_cols, info)
