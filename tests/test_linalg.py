@@ -196,34 +196,32 @@ def test_process_grid(shape, grid, layout, n, tile):
 
 @pytest.mark.parametrize(("shape", "rows"), [((4,), 2), ((2, 4), 2), ((8,), 4)])
 def test_grid_layout_exchange(shape, rows):
-    """``to_cyclic`` for a 2D layout gives each grid position its blocks (block ``(i, j)`` on ``(i % rows,
-    j % cols)``), and the all-to-all ``to_columns_local`` / ``to_grid_local`` move them to the 1D columns and back."""
+    """``to_grid_local`` gives each grid position its blocks of the 1D columns (block ``(i, j)`` on ``(i % rows,
+    j % cols)`` as local block ``(i // rows, j // cols)``), and ``to_columns_local`` brings them back."""
     mesh = make_mesh(shape)
     n = 45
     layout = BlockCyclic.create(n, 3, mesh.size, rows)
     grid = grid_mesh(mesh, layout)
     assert grid.axis_names == (ROW, COL) and grid.devices.shape == (rows, mesh.size // rows)
+    assert list(grid.devices.flat) == list(mesh.devices.flat)
     a = np.arange(n * n, dtype=np.float32).reshape(n, n)
-    cyclic = to_cyclic(jnp.asarray(a), layout)
+    columns = to_cyclic(jnp.asarray(a), layout)
+    blocks = sx.smap(lambda x: to_grid_local(x, layout), in_specs=(cyclic_spec(grid),), out_specs=P(ROW, COL),
+                     mesh=grid, expand=False)(columns)
     padded = np.eye(layout.padded, dtype=np.float32)
     padded[:n, :n] = a
     t, height, width = layout.tile, layout.padded // rows, layout.padded // layout.cols
     for p in range(rows):
         for q in range(layout.cols):
-            local = np.asarray(cyclic)[p * height:(p + 1) * height, q * width:(q + 1) * width]
+            local = np.asarray(blocks)[p * height:(p + 1) * height, q * width:(q + 1) * width]
             for i in range(height // t):
                 for j in range(width // t):
                     gi, gj = i * rows + p, j * layout.cols + q
                     np.testing.assert_array_equal(local[i * t:(i + 1) * t, j * t:(j + 1) * t],
                                                   padded[gi * t:(gi + 1) * t, gj * t:(gj + 1) * t])
-    np.testing.assert_array_equal(np.asarray(from_cyclic(cyclic, layout)), a)
-    columns = sx.smap(lambda x: to_columns_local(x, layout), in_specs=(cyclic_spec(grid, layout),),
-                      out_specs=cyclic_spec(grid), mesh=grid, expand=False)
-    back = sx.smap(lambda x: to_grid_local(to_columns_local(x, layout), layout),
-                   in_specs=(cyclic_spec(grid, layout),), out_specs=cyclic_spec(grid, layout), mesh=grid,
-                   expand=False)
-    np.testing.assert_array_equal(np.asarray(from_cyclic(columns(cyclic), layout.columns())), a)
-    np.testing.assert_array_equal(np.asarray(back(cyclic)), np.asarray(cyclic))
+    back = sx.smap(lambda x: to_columns_local(to_grid_local(x, layout), layout), in_specs=(cyclic_spec(grid),),
+                   out_specs=cyclic_spec(grid), mesh=grid, expand=False)(columns)
+    np.testing.assert_array_equal(np.asarray(from_cyclic(back, layout)), a)
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.complex64, np.complex128])

@@ -28,7 +28,7 @@ from ._checks import (
     under_auto_axes,
 )
 from ._core import solve_local
-from ._layout import BlockCyclic, cyclic_spec, from_cyclic, grid_mesh, to_columns_local, to_cyclic
+from ._layout import BlockCyclic, cyclic_spec, from_cyclic, grid_mesh, to_cyclic
 from ._potrf import potrf_local
 from ._solve import inverse_local
 from ._syevd import jacobi_eigh_local, tridiagonal_eigh_local, tridiagonal_layout
@@ -53,7 +53,7 @@ def _reshard(x: Any, sharding: NamedSharding | None) -> Any:
 def _solver(mesh: Mesh, layout: BlockCyclic, with_logdet: bool, b_sharding: NamedSharding | None):
     grid = grid_mesh(mesh, layout)
     local = smap(lambda a, b: solve_local(a, b, layout, with_logdet),
-                 in_specs=(cyclic_spec(grid, layout), PartitionSpec()),
+                 in_specs=(cyclic_spec(grid), PartitionSpec()),
                  out_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec()), mesh=grid, expand=False)
 
     @jax.jit
@@ -70,20 +70,19 @@ def _solver(mesh: Mesh, layout: BlockCyclic, with_logdet: bool, b_sharding: Name
 @functools.lru_cache(maxsize=64)
 def _factor(mesh: Mesh, layout: BlockCyclic, inverse: bool, a_sharding: NamedSharding | None):
     grid = grid_mesh(mesh, layout)
-    # The inverse's triangular solves run on the 1D columns (on a 2D grid, after one all-to-all of the factor).
-    out_layout = layout.columns() if inverse else layout
 
     def body(a):
         factor, info = potrf_local(a, layout)
-        return (inverse_local(to_columns_local(factor, layout), out_layout) if inverse else factor), info
+        # The inverse's triangular solves run on the 1D columns, whatever the factorisation's grid.
+        return (inverse_local(factor, layout.columns()) if inverse else factor), info
 
-    local = smap(body, in_specs=(cyclic_spec(grid, layout),),
-                 out_specs=(cyclic_spec(grid, out_layout), PartitionSpec()), mesh=grid, expand=False)
+    local = smap(body, in_specs=(cyclic_spec(grid),), out_specs=(cyclic_spec(grid), PartitionSpec()), mesh=grid,
+                 expand=False)
 
     @jax.jit
     def run(a):
         out, info = local(to_cyclic(a, layout))
-        return _constrain(from_cyclic(out, out_layout), a_sharding), info
+        return _constrain(from_cyclic(out, layout), a_sharding), info
 
     return run
 

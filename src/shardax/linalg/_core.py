@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ..core import rank_info
-from ._layout import BlockCyclic, global_columns, to_columns_local, to_grid_local
+from ._layout import BlockCyclic, global_columns
 from ._potrf import potrf_local
 from ._solve import cho_solve_local, inverse_local, logdet_local
 from ._vary import vary_like
@@ -30,8 +30,8 @@ def solve_local(a: jax.Array, b: jax.Array, layout: BlockCyclic, with_logdet: bo
     """``(x, logdet, info)`` for the distributed Hermitian positive definite ``a``.
 
     Args:
-        a: `(padded, width)` local block-cyclic columns (lower triangle read); on a 2D layout this device's
-            `(padded / rows, padded / cols)` blocks, factored there and moved to the 1D columns for the solves.
+        a: `(padded, width)` local block-cyclic columns (lower triangle read); with a 2D ``layout`` only the
+            factorisation runs on the process grid (``potrf_local`` moves the matrix there and back).
         b: `(padded, nrhs)` right-hand sides, replicated.
         layout: the block-cyclic layout.
         with_logdet: also compute ``log det a`` (else ``logdet`` is 0); its gradient needs ``a^{-1}``.
@@ -45,19 +45,14 @@ def solve_local(a: jax.Array, b: jax.Array, layout: BlockCyclic, with_logdet: bo
 def _solve_fwd(a, b, layout, with_logdet):
     factor, info = potrf_local(a, layout)
     # The triangular solves (O(N^2) per right-hand side, one small all-reduce per block) run on the 1D columns.
-    factor = to_columns_local(factor, layout)
-    columns = layout.columns()
-    x = cho_solve_local(factor, b, columns)
-    logdet = logdet_local(factor, columns) if with_logdet else jnp.zeros((), _real_dtype(a.dtype))
+    layout = layout.columns()
+    x = cho_solve_local(factor, b, layout)
+    logdet = logdet_local(factor, layout) if with_logdet else jnp.zeros((), _real_dtype(a.dtype))
     return (x, logdet, info), (factor, x)
 
 
 def _solve_bwd(layout, with_logdet, residuals, cotangents):
-    a_bar, b_bar = _solve_bwd_columns(layout.columns(), with_logdet, residuals, cotangents)
-    return to_grid_local(a_bar, layout), b_bar
-
-
-def _solve_bwd_columns(layout, with_logdet, residuals, cotangents):
+    layout = layout.columns()
     factor, x = residuals
     x_bar, logdet_bar, _ = cotangents
     b_bar = jnp.conj(cho_solve_local(factor, jnp.conj(x_bar), layout))

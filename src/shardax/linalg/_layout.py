@@ -6,12 +6,14 @@ step ``k`` are then a contiguous prefix of every device's local columns, and the
 contiguous suffix, which keeps the work balanced to the last step and lets each step's product be one dense matrix
 product per device.
 
-2D (``rows > 1``, ScaLAPACK's layout): the devices form a ``rows x cols`` grid (row-major in the mesh's device order)
-and block ``(i, j)`` lives on grid position ``(i % rows, j % cols)``, as local block ``(i // rows, j // cols)``. Each
-device holds ``padded / rows`` rows and ``padded / cols`` columns; a factorisation step broadcasts along process
-columns and reduces along process rows, ``N^2 (1/rows + 1/cols) / 2`` words per device in all instead of the 1D
-layout's ``N^2 / 2``. :func:`to_columns_local` and :func:`to_grid_local` move a matrix between the two in the local
-view (one all-to-all along the process columns).
+2D (``rows > 1``, ScaLAPACK's layout, used by the factorisation only): the devices form a ``rows x cols`` grid
+(row-major in the mesh's device order) and block ``(i, j)`` lives on grid position ``(i % rows, j % cols)``, as local
+block ``(i // rows, j // cols)``. Each device holds ``padded / rows`` rows and ``padded / cols`` columns; a
+factorisation step broadcasts along process columns and reduces along process rows, ``N^2 (1/rows + 1/cols) / 2``
+words per device in all instead of the 1D layout's ``N^2 / 2``. The kernels take and return the 1D layout;
+:func:`to_grid_local` and :func:`to_columns_local` move a matrix to the grid and back in the local view (one
+all-to-all along the process columns each). XLA's own global-view redistribution to the 2D blocks was slower: it
+gathered the whole matrix (``potrf`` of N = 4096 f64 on a 2 x 2 grid 0.76 s through it, 0.46 s for the kernel).
 """
 
 from __future__ import annotations
@@ -104,16 +106,15 @@ class BlockCyclic:
 
 
 def to_cyclic(a: jax.Array, layout: BlockCyclic) -> jax.Array:
-    """Pad ``a: (n, n)`` with the identity to ``(padded, padded)`` and reorder it so that each device's contiguous
-    share (:func:`cyclic_spec`) holds its blocks: in the 1D layout device ``r``'s columns are the blocks ``r, r +
-    nproc, r + 2 nproc, ...``; in the 2D layout the rows are dealt over the process rows the same way too."""
+    """Pad ``a: (n, n)`` with the identity to ``(padded, padded)`` and reorder its columns so that device ``r``'s
+    contiguous share of columns (``P(None, axes)``) holds the blocks ``r, r + nproc, r + 2 nproc, ...`` (the 1D
+    layout, also for a 2D ``layout``: the kernels move to the grid and back inside, see :func:`to_grid_local`)."""
     pad = layout.padded - layout.n
     a = jnp.pad(a, ((0, pad), (0, pad)))
     if pad:
         idx = jnp.arange(layout.n, layout.padded, dtype=jnp.int32)
         a = a.at[idx, idx].set(jnp.ones((), a.dtype))
-    a = _deal(a, layout.cols, layout.tile)
-    return _deal(a.T, layout.rows, layout.tile).T if layout.rows > 1 else a
+    return _deal(a, layout.nproc, layout.tile)
 
 
 def _deal(a: jax.Array, parts: int, tile: int, *, back: bool = False) -> jax.Array:
@@ -124,11 +125,8 @@ def _deal(a: jax.Array, parts: int, tile: int, *, back: bool = False) -> jax.Arr
 
 
 def from_cyclic(a: jax.Array, layout: BlockCyclic) -> jax.Array:
-    """Inverse of :func:`to_cyclic` for a ``(padded, padded)`` matrix: natural order, padding removed."""
-    a = _deal(a, layout.cols, layout.tile, back=True)
-    if layout.rows > 1:
-        a = _deal(a.T, layout.rows, layout.tile, back=True).T
-    return a[: layout.n, : layout.n]
+    """Inverse of :func:`to_cyclic` for a ``(padded, padded)`` matrix: natural column order, padding removed."""
+    return _deal(a, layout.nproc, layout.tile, back=True)[: layout.n, : layout.n]
 
 
 def global_columns(rank: jax.Array | int, layout: BlockCyclic) -> jax.Array:
@@ -141,11 +139,8 @@ def global_columns(rank: jax.Array | int, layout: BlockCyclic) -> jax.Array:
 ROW, COL = "_sx_grid_row", "_sx_grid_col"
 
 
-def cyclic_spec(mesh: Mesh, layout: BlockCyclic | None = None) -> PartitionSpec:
-    """The internal spec: columns split over every mesh axis (row-major rank order, as ``rank_info``), or for a 2D
-    ``layout`` rows over ``ROW`` and columns over ``COL`` of :func:`grid_mesh`."""
-    if layout is not None and layout.rows > 1:
-        return PartitionSpec(ROW, COL)
+def cyclic_spec(mesh: Mesh) -> PartitionSpec:
+    """The internal spec: columns split over every mesh axis (row-major rank order, as ``rank_info``)."""
     return PartitionSpec(None, tuple(mesh.axis_names))
 
 

@@ -8,7 +8,7 @@ from jax import lax
 
 from ..comm import allreduce
 from ..core import rank_info
-from ._layout import COL, ROW, BlockCyclic
+from ._layout import COL, ROW, BlockCyclic, to_columns_local, to_grid_local
 from ._vary import index, vary_like
 
 # The fori_loop over factorisation steps is split into at most this many phases with static windows: phase q only
@@ -151,7 +151,9 @@ def potrf_local(a: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.Array
     its inner dimension the device's factored columns; a right-looking update instead writes the whole trailing
     matrix every step and subtracts it in a second pass.
 
-    A 2D layout (``layout.rows > 1``) goes to :func:`potrf_grid_local`.
+    With a 2D layout (``layout.rows > 1``, inside a map over ``grid_mesh``) the columns move to the process grid,
+    :func:`potrf_grid_local` factors them there and the factor comes back to the 1D columns (an all-to-all down the
+    process columns each way).
 
     Args:
         a: `(padded, width)` this device's block-cyclic columns (only the lower triangle is read).
@@ -163,7 +165,8 @@ def potrf_local(a: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.Array
         leading minor that is not positive definite), identical on every device.
     """
     if layout.rows > 1:
-        return potrf_grid_local(a, layout)
+        factor, info = potrf_grid_local(to_grid_local(a, layout), layout)
+        return to_columns_local(factor, layout), info
     rank, size, _ = rank_info()
     t, npad = layout.tile, layout.padded
     library = solver_library()
