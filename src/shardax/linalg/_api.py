@@ -96,9 +96,8 @@ def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_s
     redistributed to a block-cyclic layout over every device of the mesh (``tile`` columns per block, padded
     internally for any ``N``): 1D columns by default, or a 2D ``rows x cols`` process grid with ``grid`` (ScaLAPACK's
     layout: less communication per device on many devices). It is factored there and solved by distributed
-    triangular solves on the 1D columns. Only the lower
-    triangle of ``a`` is read (LAPACK's convention). Differentiable in ``a`` and ``b`` (custom VJP; with
-    ``return_logdet`` the log-determinant too).
+    triangular solves on the 1D columns. Only the lower triangle of ``a`` is read (LAPACK's convention).
+    Differentiable in ``a`` and ``b`` (custom VJP; with ``return_logdet`` the log-determinant too).
 
     Also accepts jaxmg's call ``potrs(a, b, T_A, mesh, in_specs)``: ``T_A`` is the tile, ``in_specs = (spec_a,
     spec_b)`` places host arrays; arrays that already carry a sharding keep it, and specs naming axes the mesh does
@@ -195,8 +194,7 @@ def potri(a: Any, *, tile: int | None = None, mesh: Mesh | None = None, return_s
         tile: block size (default as for :func:`potrs`).
         mesh: as in :func:`potrs`.
         return_status: also return the LAPACK ``info`` (the inverse is all NaN when it is positive).
-        grid: as in :func:`potrs`: the factorisation's process grid (the inverse is then formed on the 1D columns,
-            after one all-to-all of the factor).
+        grid: as in :func:`potrs`: the factorisation's process grid (the inverse is formed on the 1D columns).
 
     Returns:
         `(N, N)` the inverse with ``a``'s sharding, then ``status`` if asked.
