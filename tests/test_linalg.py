@@ -309,19 +309,21 @@ def test_solver_library_path(monkeypatch):
     from shardax.linalg import _potrf
 
     monkeypatch.setattr(_potrf, "solver_library", lambda: True)
-    mesh = make_mesh((2,))
     n, tile = 90, 16
-    with jax.enable_x64(True):
-        a = hpd(n, np.float64, seed=13)
-        ad = put(a, mesh, "cols")
-        close(sx.linalg.potrf(ad, tile=tile), np.linalg.cholesky(a), np.float64)
-        b = rhs(n, 2, np.float64)
-        close(sx.linalg.potrs(ad, jnp.asarray(b), tile=tile), sl.cho_solve(sl.cho_factor(a), b), np.float64)
-        close(sx.linalg.potri(ad, tile=tile), np.linalg.inv(a), np.float64, scale=3.0)
-        a[40, 40] = -1.0
-        factor, status = sx.linalg.potrf(put(a, mesh, "cols"), tile=tile, return_status=True)
-    assert int(status) == first_bad_minor(a) == 41
-    assert np.isnan(np.asarray(factor)).all()
+    for shape, grid in [((2,), None), ((4,), (2, 2))]:
+        mesh = make_mesh(shape)
+        with jax.enable_x64(True):
+            a = hpd(n, np.float64, seed=13)
+            ad = put(a, mesh, "replicated")
+            close(sx.linalg.potrf(ad, tile=tile, grid=grid), np.linalg.cholesky(a), np.float64)
+            b = rhs(n, 2, np.float64)
+            close(sx.linalg.potrs(ad, jnp.asarray(b), tile=tile, grid=grid), sl.cho_solve(sl.cho_factor(a), b),
+                  np.float64)
+            close(sx.linalg.potri(ad, tile=tile, grid=grid), np.linalg.inv(a), np.float64, scale=3.0)
+            a[40, 40] = -1.0
+            factor, status = sx.linalg.potrf(put(a, mesh, "replicated"), tile=tile, return_status=True, grid=grid)
+        assert int(status) == first_bad_minor(a) == 41
+        assert np.isnan(np.asarray(factor)).all()
 
 
 def test_only_lower_triangle_is_read():
