@@ -194,6 +194,32 @@ def test_process_grid(shape, grid, layout, n, tile):
         assert np.isnan(np.asarray(factor)).all() and np.isnan(np.asarray(x)).all()
 
 
+def test_process_grid_under_mesh_contexts():
+    """The grid runs on its own mesh of the same devices: with a mesh of explicit axes eagerly, inside jit under
+    ``jax.set_mesh`` of it (the gradient of ``logdet`` too), and under a context mesh of automatic axes."""
+    n = 40
+    a, b = hpd(n, np.float32, seed=7), rhs(n, 3, np.float32)
+    want = sl.cho_solve(sl.cho_factor(a), b)
+    explicit = jax.make_mesh((2, 4), ("h", "d"))
+    a_cols = jax.device_put(jnp.asarray(a), NamedSharding(explicit, P(None, ("h", "d"))))
+    factor = sx.linalg.potrf(a_cols, tile=4, grid=(2, 4))
+    assert factor.sharding == a_cols.sharding
+    close(factor, np.linalg.cholesky(a), np.float32)
+    with jax.set_mesh(explicit):
+        rows = jax.device_put(jnp.asarray(a), NamedSharding(explicit, P("h", None)))
+        x = jax.jit(lambda y, r: sx.linalg.potrs(y, r, tile=4, grid=(4, 2)))(rows, jnp.asarray(b))
+        grad = jax.jit(jax.grad(lambda y: sx.linalg.potrs(y, jnp.asarray(b), tile=4, grid=(2, 4),
+                                                          return_logdet=True)[1]))(rows)
+    close(x, want, np.float32)
+    inverse = np.linalg.inv(a)
+    close(grad, np.tril(2 * inverse, -1) + np.diag(np.diag(inverse)), np.float32, scale=3.0)
+    auto = make_mesh((8,))
+    with jax.set_mesh(auto):
+        close(sx.linalg.potrs(jnp.asarray(a), jnp.asarray(b), tile=4, grid=(2, 4)), want, np.float32)
+        close(jax.jit(lambda y: sx.linalg.potri(y, tile=4, grid=(2, 4)))(jnp.asarray(a)), inverse, np.float32,
+              scale=3.0)
+
+
 @pytest.mark.parametrize(("shape", "rows"), [((4,), 2), ((2, 4), 2), ((8,), 4)])
 def test_grid_layout_exchange(shape, rows):
     """``to_grid_local`` gives each grid position its blocks of the 1D columns (block ``(i, j)`` on ``(i % rows,

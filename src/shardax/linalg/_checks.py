@@ -132,8 +132,10 @@ def under_auto_axes(fn: Callable[..., Any], args: tuple, out_specs: Any) -> Any:
 
 @contextlib.contextmanager
 def computing_on(mesh: Mesh, user_mesh: Mesh) -> Iterator[None]:
-    """Make ``mesh`` the context mesh while the work runs on it, when it is ``user_mesh``'s automatic-axes twin (a
-    ``jax.set_mesh`` context of the explicit mesh would otherwise clash with it); nothing otherwise."""
+    """Make ``mesh`` the context mesh while the work runs on it, when it is not ``user_mesh``: its automatic-axes twin
+    (a ``jax.set_mesh`` context of the explicit mesh would otherwise clash with it) or the process grid of its
+    devices (``_layout.grid_mesh``, whose ``smap`` would clash with a context of the user's mesh); nothing
+    otherwise."""
     if mesh is user_mesh:
         yield
         return

@@ -72,7 +72,7 @@ class BlockCyclic:
         """The layout for a requested ``tile`` (``None``: :func:`default_tile`) on a ``rows x (nproc / rows)``
         process grid."""
         if rows < 1 or nproc % rows:
-            raise ValueError(f"a grid of {rows} process rows does not divide {nproc} devices")
+            raise ValueError(f"{rows} process rows do not divide {nproc} devices")
         tile = default_tile(n, nproc) if tile is None else tile
         return cls(n, max(1, min(tile, math.ceil(n / nproc))), nproc, rows)
 
