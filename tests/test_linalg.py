@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -218,6 +220,32 @@ def test_process_grid_under_mesh_contexts():
         close(sx.linalg.potrs(jnp.asarray(a), jnp.asarray(b), tile=4, grid=(2, 4)), want, np.float32)
         close(jax.jit(lambda y: sx.linalg.potri(y, tile=4, grid=(2, 4)))(jnp.asarray(a)), inverse, np.float32,
               scale=3.0)
+
+
+def _largest_buffer(hlo: str) -> int:
+    """Elements of the largest f32 array in a compiled (per-device) program's text."""
+    sizes = [int(np.prod([int(d) for d in dims.split(",")])) for dims in re.findall(r"f32\[([0-9,]+)\]", hlo)]
+    return max(sizes)
+
+
+def test_layout_changes_never_gather_the_matrix():
+    """Between a user layout such as rows ``P("x", None)`` or 2D ``P("x", "y")`` and the block-cyclic columns XLA's
+    partitioner gathers the whole matrix on every device unless led through intermediate layouts: no per-device
+    buffer of the compiled ``potrf``/``potrs`` is larger than the user's own shard or ``N^2 / P``."""
+    from shardax.linalg import _api
+
+    mesh = make_mesh((2, 4))
+    n = 256
+    for spec, shard in [(P("x", None), n * n // 2), (P("x", "y"), n * n // 8), (P(None, "y"), n * n // 4)]:
+        sharding = NamedSharding(mesh, spec)
+        a = jax.device_put(np.eye(n, dtype=np.float32), sharding)
+        bound = max(shard, n * n // 8)
+        for grid in [1, 2] if spec == P("x", None) else [1]:
+            layout = BlockCyclic.create(n, 8, 8, grid)
+            factor = _api._factor(mesh, layout, False, sharding).lower(a).compile().as_text()
+            assert _largest_buffer(factor) <= bound, (spec, grid)
+        solve = _api._solver(mesh, BlockCyclic.create(n, 8, 8), False, None).lower(a, jnp.ones((n, 2), jnp.float32))
+        assert _largest_buffer(solve.compile().as_text()) <= bound, spec
 
 
 @pytest.mark.parametrize(("shape", "rows"), [((4,), 2), ((2, 4), 2), ((8,), 4)])

@@ -38,6 +38,29 @@ def _constrain(x: jax.Array, sharding: NamedSharding | None) -> jax.Array:
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
+# XLA's SPMD partitioner cannot go straight between the block-cyclic columns and a user layout such as rows
+# P("x", None) or P("x", "y") of a 2D mesh: it gathers the whole matrix on every device first ("involuntary full
+# rematerialization", N^2 words of memory per device). Through the natural-order columns over every device (and,
+# for rows, the rows over every device) each stage is one all-to-all or all-gather.
+
+
+def _from_user(a: jax.Array, mesh: Mesh) -> jax.Array:
+    """``a`` as natural-order columns over every device of ``mesh``, ready for ``to_cyclic``."""
+    return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, PartitionSpec(None, tuple(mesh.axis_names))))
+
+
+def _to_user(x: jax.Array, sharding: NamedSharding | None) -> jax.Array:
+    """``x`` from ``from_cyclic`` in ``sharding``, by stages (see above)."""
+    if sharding is None:
+        return x
+    axes = tuple(sharding.mesh.axis_names)
+    x = jax.lax.with_sharding_constraint(x, NamedSharding(sharding.mesh, PartitionSpec(None, axes)))
+    spec = (*sharding.spec, None, None)
+    if spec[0] is not None and spec[1] is None:
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(sharding.mesh, PartitionSpec(axes, None)))
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
 def _spec(x: Any) -> PartitionSpec:
     return jax.typeof(x).sharding.spec
 
@@ -60,7 +83,7 @@ def _solver(mesh: Mesh, layout: BlockCyclic, with_logdet: bool, b_sharding: Name
     def run(a, b):
         rhs = b if b.ndim == 2 else b[:, None]
         rhs = jnp.pad(rhs, ((0, layout.padded - layout.n), (0, 0)))
-        x, logdet, info = local(to_cyclic(a, layout), rhs)
+        x, logdet, info = local(to_cyclic(_from_user(a, mesh), layout), rhs)
         x = x[: layout.n] if b.ndim == 2 else x[: layout.n, 0]
         return _constrain(x, b_sharding), logdet, info
 
@@ -81,8 +104,8 @@ def _factor(mesh: Mesh, layout: BlockCyclic, inverse: bool, a_sharding: NamedSha
 
     @jax.jit
     def run(a):
-        out, info = local(to_cyclic(a, layout))
-        return _constrain(from_cyclic(out, layout), a_sharding), info
+        out, info = local(to_cyclic(_from_user(a, mesh), layout))
+        return _to_user(from_cyclic(out, layout), a_sharding), info
 
     return run
 
