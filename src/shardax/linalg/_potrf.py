@@ -151,9 +151,10 @@ def potrf_local(a: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.Array
     its inner dimension the device's factored columns; a right-looking update instead writes the whole trailing
     matrix every step and subtracts it in a second pass.
 
-    With a 2D layout (``layout.rows > 1``, inside a map over ``grid_mesh``) the columns move to the process grid,
-    :func:`potrf_grid_local` factors them there and the factor comes back to the 1D columns (an all-to-all down the
-    process columns each way).
+    With a 2D layout (``layout.rows > 1``, inside a map over ``grid_mesh``) the columns move to the process grid
+    (``to_grid_local``), the same steps run there with the communication split along the grid (see
+    :func:`_left_looking`) and the factor comes back to the 1D columns (an all-to-all down the process columns each
+    way).
 
     Args:
         a: `(padded, width)` this device's block-cyclic columns (only the lower triangle is read).
@@ -164,58 +165,8 @@ def potrf_local(a: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.Array
         the matrix is not positive definite; ``info`` the LAPACK status (0, or the 1-based order of the first
         leading minor that is not positive definite), identical on every device.
     """
-    if layout.rows > 1:
-        factor, info = potrf_grid_local(to_grid_local(a, layout), layout)
-        return to_columns_local(factor, layout), info
-    rank, size, _ = rank_info()
-    t, npad = layout.tile, layout.padded
-    library = solver_library()
-    bounds = phase_bounds(layout.blocks)
-    factor_cols = jnp.zeros_like(a)
-    info = vary_like(jnp.int32(0), a)
-    for q in range(len(bounds) - 1):
-        first, last = bounds[q], bounds[q + 1]
-        # Phase q runs steps first..last - 1 on static windows: rows from first * t down (the rows of the column
-        # blocks it forms), the local blocks factored on every device before it starts (done) and those some device
-        # may factor during it (live, carried by the loop; unfactored ones are zero).
-        row0, done, live_end = first * t, first // size, -(-last // size)
-        height = npad - row0
-        factored = factor_cols[row0:, :done * t] if done else None
-        source = a[row0:, done * t:live_end * t]
-        rows = jnp.arange(height, dtype=jnp.int32)[:, None]
-
-        def step(k, carry, done=done, factored=factored, source=source, rows=rows, row0=row0, height=height):
-            live, info = carry
-            local, is_owner = k // size - done, rank == k % size
-            offset = k * t - row0
-
-            def live_part(live):
-                return live @ jnp.conj(lax.dynamic_slice(live, index(offset, 0), (t, live.shape[1]))).T
-
-            def nothing(live):
-                return vary_like(jnp.zeros((height, t), a.dtype), live)
-
-            # This device's live columns contribute once its first live block (global done * size + rank) is done.
-            part = lax.cond(k > done * size + rank, live_part, nothing, live)
-            if factored is not None:
-                part = part + factored @ jnp.conj(lax.dynamic_slice(factored, index(offset, 0), (t, done * t))).T
-            col = lax.dynamic_slice(source, index(0, local * t), (height, t))
-            col = allreduce(jnp.where(is_owner, col, jnp.zeros_like(col)) - part)
-
-            def factor(col):
-                lkk, panel, fail = _factor_panel(col, lax.dynamic_slice(col, index(offset, 0), (t, t)), library)
-                panel = jnp.where(rows >= offset + t, panel, jnp.zeros_like(panel))
-                panel = lax.dynamic_update_slice(panel, lkk, index(offset, 0))
-                return (lax.dynamic_update_slice(live, panel, index(0, local * t)),
-                        jnp.where(fail > 0, fail + k * t, 0).astype(jnp.int32))
-
-            live, fail = lax.cond(is_owner, factor, lambda col: (live, vary_like(jnp.int32(0), col)), col)
-            return live, jnp.where((info == 0) & (fail > 0), fail, info)
-
-        live = factor_cols[row0:, done * t:live_end * t]
-        live, info = lax.fori_loop(jnp.int32(first), jnp.int32(last), step, (live, info))
-        factor_cols = factor_cols.at[row0:, done * t:live_end * t].set(live)
-    return _finish(factor_cols, info)
+    factor, info = _left_looking(to_grid_local(a, layout), layout)
+    return to_columns_local(factor, layout), info
 
 
 def _finish(factor: jax.Array, info: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -239,35 +190,42 @@ def _factor_panel(col: jax.Array, diag: jax.Array, library: bool) -> tuple[jax.A
     return lkk, panel, fail
 
 
-def potrf_grid_local(a: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.Array]:
-    """:func:`potrf_local` on a 2D process grid (inside a map over ``grid_mesh``, axes ``ROW`` and ``COL``).
+def _left_looking(a: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.Array]:
+    """The factorisation on this device's blocks ``a: (padded / rows, padded / cols)`` of the layout's process grid
+    (in the 1D layout: one process row, every device a process column, ``a`` its columns).
 
-    The same left-looking steps, with the communication split along the grid: step ``k`` broadcasts row block ``k``
-    of the factored columns down each process column (an all-reduce over ``ROW`` from its process row), every
-    device multiplies its own rows and columns, the products are summed along each process row (an all-reduce over
-    ``COL``, the owner column adding ``A``'s block) and the diagonal block is broadcast down the process columns;
-    the owner column ``k % cols`` factors it and scales its rows. Per device that is ``N^2 / (2 cols)`` words of row
-    broadcasts and ``N^2 / (2 rows)`` of column reductions over the whole factorisation, against the 1D layout's
-    ``N^2 / 2``; the phases and windows are those of the 1D code, in local row and column blocks.
+    Step ``k``: row block ``k`` of the factored columns is broadcast down each process column from process row
+    ``k % rows`` (an all-reduce over ``ROW``; nothing to send in 1D, where every device has every row), every device
+    multiplies its own rows and factored columns by it, the products are summed along each process row (an
+    all-reduce over ``COL``, or over every device in 1D; the owner column adds ``A``'s block), the diagonal block is
+    broadcast down the process columns (2D only), and the owner column ``k % cols`` factors it and scales its own
+    rows. On a grid that is ``N^2 / (2 cols)`` words of row broadcasts and ``N^2 / (2 rows)`` of column reductions
+    per device over the whole factorisation, against the 1D layout's ``N^2 / 2``.
 
-    Args:
-        a: `(padded / rows, padded / cols)` this device's blocks (lower triangle read).
-        layout: a 2D block-cyclic layout.
+    Fixed shapes in a ``fori_loop`` cannot shrink with ``k``, so the loop is split into ``phase_bounds`` phases with
+    static windows: local rows from the first local row block that can hold global block ``first`` or later, the
+    local column blocks factored on every device before the phase starts (``done``) and those some device may
+    factor during it (``live``, carried by the loop; unfactored ones are zero).
 
     Returns:
-        ``(l, info)`` as :func:`potrf_local`, ``l`` in the same 2D layout as ``a``.
+        ``(l, info)`` as :func:`potrf_local`, ``l`` in the layout of ``a``.
     """
-    p, q = rank_info(ROW).rank, rank_info(COL).rank
     pr, pc, t = layout.rows, layout.cols, layout.tile
+    grid = pr > 1
+    p = rank_info(ROW).rank if grid else 0
+    q = rank_info(COL).rank if grid else rank_info().rank
+    across = COL if grid else None  # the column-block reduction: along the process rows, or over every device
     library = solver_library()
     bounds = phase_bounds(layout.blocks)
     factor_cols = jnp.zeros_like(a)
     info = vary_like(jnp.int32(0), a)
+
+    def down(xs, on_row):
+        """Broadcast ``xs`` down the process columns from the process row where ``on_row`` (one all-reduce)."""
+        return lax.psum([jnp.where(on_row, x, jnp.zeros_like(x)) for x in xs], ROW) if grid else xs
+
     for ph in range(len(bounds) - 1):
         first, last = bounds[ph], bounds[ph + 1]
-        # Static windows as in potrf_local: local rows from the first local row block that can hold global block
-        # `first` or later, the local column blocks factored everywhere before the phase (done) and those factored
-        # during it (live).
         row0, done, live_end = first // pr * t, first // pc, -(-last // pc)
         height = a.shape[0] - row0
         factored = factor_cols[row0:, :done * t] if done else None
@@ -280,11 +238,10 @@ def potrf_grid_local(a: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.
             live, info = carry
             on_row, on_col = p == k % pr, q == k % pc
             offset, local = k // pr * t - row0, k // pc - done
-            # Row block k of the factored and live columns, broadcast down the process column (one all-reduce).
             krow = [lax.dynamic_slice(live, index(offset, 0), (t, live.shape[1]))]
             if factored is not None:
                 krow.append(lax.dynamic_slice(factored, index(offset, 0), (t, done * t)))
-            krow = lax.psum([jnp.where(on_row, x, jnp.zeros_like(x)) for x in krow], ROW)
+            krow = down(krow, on_row)
 
             def live_part(live):
                 return live @ jnp.conj(krow[0]).T
@@ -297,9 +254,8 @@ def potrf_grid_local(a: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.
             if factored is not None:
                 part = part + factored @ jnp.conj(krow[1]).T
             col = lax.dynamic_slice(source, index(0, local * t), (height, t))
-            col = allreduce(jnp.where(on_col, col, jnp.zeros_like(col)) - part, axis=COL)
-            diag = lax.dynamic_slice(col, index(offset, 0), (t, t))
-            diag = allreduce(jnp.where(on_row, diag, jnp.zeros_like(diag)), axis=ROW)
+            col = allreduce(jnp.where(on_col, col, jnp.zeros_like(col)) - part, axis=across)
+            diag = down([lax.dynamic_slice(col, index(offset, 0), (t, t))], on_row)[0]
 
             def factor(col):
                 lkk, panel, fail = _factor_panel(col, diag, library)
