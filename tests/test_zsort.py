@@ -9,6 +9,7 @@ import conftest: the multi-process children import it by path and must keep the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -252,12 +253,13 @@ def test_zsort_fallback_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     np.testing.assert_array_equal(to_host(out.num), equal_counts(N, 3))
 
 
+@pytest.mark.parametrize("host", [True, False], ids=["host", "xla"])
 @pytest.mark.parametrize("case", ["distinct", "duplicates", "padding", "prefix_ties"])
-def test_argsort_keys_is_numpys_stable_argsort(case: str) -> None:
+def test_argsort_keys_is_numpys_stable_argsort(case: str, host: bool) -> None:
     """The packed 64-bit argsort equals NumPy's stable argsort: distinct keys, many equal keys, a third of the rows
     padding (the invalid key: ties that the first pass already orders, so the refining pass is skipped), and keys
     sharing the first pass's prefix with differing low bits, with padding (only the refining pass orders them: a
-    test that never refines fails here)."""
+    test that never refines fails here). Both sorts: NumPy's on the host and XLA's in place."""
     from shardax.particles._sort import _index_bits, argsort_keys
 
     rng = np.random.default_rng(11)
@@ -272,7 +274,9 @@ def test_argsort_keys_is_numpys_stable_argsort(case: str) -> None:
         key[rng.random(n) < 0.3] = np.iinfo(np.uint64).max
     hi = (key >> np.uint64(32)).astype(np.uint32)
     lo = (key & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-    got = np.asarray(jax.jit(argsort_keys)(jnp.asarray(hi), jnp.asarray(lo)))
+    fn = jax.jit(functools.partial(argsort_keys, host=host))
+    assert ("python_cpu_callback" in fn.lower(jnp.asarray(hi), jnp.asarray(lo)).as_text()) == host
+    got = np.asarray(fn(jnp.asarray(hi), jnp.asarray(lo)))
     np.testing.assert_array_equal(got, np.argsort(key, kind="stable"))
 
 

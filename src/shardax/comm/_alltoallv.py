@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .._hostsort import sort
 from ..core._rank import AxisSpec, axes_size, resolve_axes
 from ..core._vary import vary_over, varying
 
@@ -217,7 +218,7 @@ def group_by_rank(key: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
     n = key.shape[0]
     counts = jnp.zeros((size + 1,), jnp.int32).at[key].add(1)[:size]
     if (size + 1) * n < 2**31:
-        perm = lax.sort(key.astype(jnp.int32) * n + jnp.arange(n, dtype=jnp.int32)) % n
+        perm = sort(key.astype(jnp.int32) * n + jnp.arange(n, dtype=jnp.int32)) % n
     else:
         perm = jnp.argsort(key, stable=True).astype(jnp.int32)
     return perm, counts

@@ -198,7 +198,7 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
     overflow = jnp.zeros((), bool)
     routes = None
     if size > 1:
-        result = sort_particles(carry, box, True, n, chunk_factor=8, routes=True)
+        result = sort_particles(carry, box, True, n, chunk_factor=8, routes=True, host_sort=True)
         carry, routes = result.part, result.routes
         rows_needed, overflow = result.needed, result.overflow
         pieces = piece_cells(carry.pos, carry.num, result.key_box.origin.astype(dtype),
