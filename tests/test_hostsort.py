@@ -88,3 +88,18 @@ def test_threshold_is_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
     x = jnp.arange(2 * HOST_MIN, dtype=jnp.int32)[::-1]
     monkeypatch.setattr(_hostsort, "HOST_MIN", 1 << 40)
     assert _host_calls(sort, x) == 0
+
+
+def test_environment_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``SHARDAX_HOST_SORT=0`` keeps every sort in XLA (for ``jax.export`` and the persistent compilation cache);
+    the public ``alltoallv`` groups rows with ``lax.sort`` whatever the setting, kernels ask for the host sort."""
+    from shardax.comm._alltoallv import group_by_rank
+
+    x = jnp.arange(2 * HOST_MIN, dtype=jnp.int32)[::-1]
+    key = x % 3
+    assert _host_calls(lambda k: group_by_rank(k, 3)[0], key) == 0
+    assert _host_calls(lambda k: group_by_rank(k, 3, host=True)[0], key) == 1
+    monkeypatch.setenv("SHARDAX_HOST_SORT", "0")
+    assert _host_calls(sort, x) == 0
+    assert _host_calls(lambda k: group_by_rank(k, 3, host=True)[0], key) == 0
+    np.testing.assert_array_equal(np.asarray(jax.jit(sort)(x)), np.arange(2 * HOST_MIN))

@@ -4,7 +4,9 @@ XLA:CPU sorts a single array slowly: 156250 int32 words take ~9 ms, 156250 uint6
 (x86-simd-sort on AVX-512/AVX2 machines) takes 0.5 ms and 1.2 ms, and a host callback costs ~0.1 ms. On CPU
 devices :func:`sort` therefore hands arrays of at least ``HOST_MIN`` words to ``numpy.sort`` in a host callback;
 other backends (GPU radix sorts), small arrays and programs where a callback would gather the data on one device
-keep ``lax.sort``. A sort of plain values has exactly one result, so every path returns the same bits.
+keep ``lax.sort``, as does everything when the environment sets ``SHARDAX_HOST_SORT=0`` (programs with a host callback
+are not written to JAX's persistent compilation cache and cannot be exported). A sort of plain values has exactly one
+result, so every path returns the same bits.
 
 The callback is a primitive of its own rather than :func:`jax.pure_callback`: that one first copies its arguments
 onto CPU device 0 (``device_put``), which waits for device 0's running program; when device 0 waits in a collective
@@ -16,6 +18,7 @@ of the callback to uint32.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import jax
@@ -33,6 +36,9 @@ except ImportError:  # pragma: no cover - a JAX without them sorts with lax.sort
 
 # Below this many values the callback's fixed cost (~0.1 ms) is more than XLA:CPU's sort takes.
 HOST_MIN = 4096
+# ``SHARDAX_HOST_SORT=0`` turns the host sort off (read at trace time): JAX writes no program with a host callback to
+# its persistent compilation cache, and ``jax.export`` cannot serialise one.
+ENV = "SHARDAX_HOST_SORT"
 
 _TYPES = {np.dtype(t): np.dtype(w) for t, w in ((np.int32, np.int32), (np.uint32, np.uint32),
                                                  (np.int64, np.uint32), (np.uint64, np.uint32))}
@@ -56,7 +62,8 @@ def sort(x: jax.Array) -> jax.Array:
         [0, 1, 2]
     """
     dtype = np.dtype(x.dtype)
-    if x.ndim != 1 or x.shape[0] < HOST_MIN or dtype not in _TYPES or _callback_op_sharding is None:
+    if (x.ndim != 1 or x.shape[0] < HOST_MIN or dtype not in _TYPES or _callback_op_sharding is None
+            or os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off")):
         return lax.sort(x)
     # ``(n, k)`` words per value: k = 2 for 64-bit values, 1 otherwise.
     words = lax.bitcast_convert_type(x, jnp.uint32) if dtype.itemsize == 8 else x[:, None]

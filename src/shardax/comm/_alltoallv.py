@@ -208,17 +208,19 @@ def _ragged(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: ja
     return outs
 
 
-def group_by_rank(key: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+def group_by_rank(key: jax.Array, size: int, *, host: bool = False) -> tuple[jax.Array, jax.Array]:
     """``(perm, counts)``: rows grouped by ``key`` (`(n,)` int in ``[0, size]``, ``size`` for rows not sent), each
     group in row order, and the rows for each of the ``size`` ranks.
 
     One sort of a single int32 word ``key * n + row`` (XLA:CPU sorts one operand several times faster than a key
-    with a payload); a stable argsort when that word would overflow.
+    with a payload); a stable argsort when that word would overflow. ``host``: sort by NumPy on CPU devices
+    (:mod:`shardax._hostsort`; kernels pass it, the public ``alltoallv`` keeps programs free of host callbacks).
     """
     n = key.shape[0]
     counts = jnp.zeros((size + 1,), jnp.int32).at[key].add(1)[:size]
     if (size + 1) * n < 2**31:
-        perm = sort(key.astype(jnp.int32) * n + jnp.arange(n, dtype=jnp.int32)) % n
+        word = key.astype(jnp.int32) * n + jnp.arange(n, dtype=jnp.int32)
+        perm = (sort(word) if host else lax.sort(word)) % n
     else:
         perm = jnp.argsort(key, stable=True).astype(jnp.int32)
     return perm, counts

@@ -103,7 +103,7 @@ def exchange_columns(columns: dict[str, jax.Array], dest: jax.Array, *, num: jax
     in (what comes back along the reverse route, ``send_grouped(..., recv_counts)``, lines up with ``perm``).
     """
     rows = jnp.arange(dest.shape[0], dtype=jnp.int32)
-    perm, counts = group_by_rank(jnp.where(rows < num, dest, size), size)
+    perm, counts = group_by_rank(jnp.where(rows < num, dest, size), size, host=True)
     out, recv_counts, overflow = send_grouped(columns, counts, capacity=capacity, perm=perm, chunk=chunk)
     return out, recv_counts, overflow, perm
 

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..core._vary import vary_like
+from ..particles._sort import argsort_keys
 from ._grid import Domain, Grid, cell_coords, cell_keys, open_domain
 
 # Cell keys are int32: the product of the cell counts must stay below 2**31.
@@ -206,8 +207,8 @@ def sort_points(pos: jax.Array, valid: jax.Array, space: LinkSpace, grid: Grid, 
     counts = jnp.zeros((table_cells + 1,), jnp.int32).at[keys].add(1)
     starts = _cumsum(counts) - counts  # exclusive: starts[table_cells] = number of valid points
 
-    def comparison() -> jax.Array:
-        return lax.sort((keys, idx), num_keys=1)[1]
+    def comparison() -> jax.Array:  # stable by key (keys are non-negative), one packed sort
+        return argsort_keys(keys.astype(jnp.uint32), jnp.zeros((n,), jnp.uint32))
 
     if rounds < 1:
         rows = comparison()

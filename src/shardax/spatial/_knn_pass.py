@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..core._vary import vary_like
+from ..particles._sort import argsort_keys
 from ._grid import SENTINEL_KEY, Domain, Grid, axis_margin, cell_coords, cell_keys
 
 
@@ -59,9 +60,10 @@ def positions_of(mask: jax.Array, size: int, fill: jax.Array | int) -> jax.Array
 
 
 def _sort_by_key(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
-    iota = jnp.arange(keys.shape[0], dtype=jnp.int32)
-    sorted_keys, order = lax.sort((keys, iota), num_keys=1, is_stable=True)
-    return sorted_keys, order
+    """``(keys[order], order)`` for the stable argsort of the non-negative int32 ``keys`` (one packed 64-bit sort,
+    on CPU by NumPy: XLA:CPU sorts a key with a payload through a comparator called per comparison)."""
+    order = argsort_keys(keys.astype(jnp.uint32), jnp.zeros(keys.shape, jnp.uint32))
+    return keys[order], order
 
 
 def _axis_offsets(reach: int) -> tuple[int, ...]:
