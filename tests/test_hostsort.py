@@ -103,3 +103,13 @@ def test_environment_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _host_calls(sort, x) == 0
     assert _host_calls(lambda k: group_by_rank(k, 3, host=True)[0], key) == 0
     np.testing.assert_array_equal(np.asarray(jax.jit(sort)(x)), np.arange(2 * HOST_MIN))
+
+
+def test_lowering_for_several_platforms_keeps_lax_sort() -> None:
+    """``jax.export`` for CPU and CUDA at once lowers without a callback (JAX's callbacks support one platform)."""
+    from jax import export
+
+    x = jnp.arange(2 * HOST_MIN, dtype=jnp.int32)[::-1]
+    exported = export.export(jax.jit(sort), platforms=("cpu", "cuda"))(x)
+    assert "python_cpu_callback" not in exported.mlir_module()
+    np.testing.assert_array_equal(np.asarray(exported.call(x)), np.arange(2 * HOST_MIN))

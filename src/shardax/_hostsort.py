@@ -40,8 +40,7 @@ HOST_MIN = 4096
 # its persistent compilation cache, and ``jax.export`` cannot serialise one.
 ENV = "SHARDAX_HOST_SORT"
 
-_TYPES = {np.dtype(t): np.dtype(w) for t, w in ((np.int32, np.int32), (np.uint32, np.uint32),
-                                                 (np.int64, np.uint32), (np.uint64, np.uint32))}
+_TYPES = frozenset(np.dtype(t) for t in (np.int32, np.uint32, np.int64, np.uint64))
 
 _sort_p = Primitive("shardax_sort_words")
 
@@ -98,9 +97,11 @@ def _batched(args: tuple[Any, ...], dims: tuple[Any, ...], *, dtype: np.dtype) -
 def _single_callback(ctx: Any) -> tuple[bool, Any]:
     """Whether a callback here runs once per device on that device's own data, and its sharding annotation: in
     manual (``smap``) programs over every mesh axis, and in programs of one device; not where XLA would gather the
-    data onto one device for it."""
+    data onto one device for it, nor in a lowering for several platforms (JAX's callbacks do not support it)."""
     axis_context = ctx.module_context.axis_context
     assert _callback_op_sharding is not None  # (``sort`` binds the primitive only then)
+    if len(ctx.module_context.platforms) > 1:  # lowered for several platforms at once (``jax.export``)
+        return False, None
     if isinstance(axis_context, _sharding_impls.SPMDAxisContext):
         if axis_context.manual_axes != frozenset(axis_context.mesh.axis_names):
             return False, None
