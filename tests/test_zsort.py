@@ -280,6 +280,21 @@ def test_argsort_keys_is_numpys_stable_argsort(case: str, host: bool) -> None:
     np.testing.assert_array_equal(got, np.argsort(key, kind="stable"))
 
 
+@pytest.mark.parametrize("host", [True, False], ids=["host", "xla"])
+def test_argsort_words_is_numpys_stable_argsort(host: bool) -> None:
+    """The one-word argsort (cell keys, labels) equals NumPy's stable argsort: uint32 keys with the top bit set and
+    many ties, and non-negative int32 keys."""
+    from shardax.particles._sort import argsort_words
+
+    rng = np.random.default_rng(12)
+    words = rng.choice(rng.integers(0, 2**32, 50, dtype=np.uint64).astype(np.uint32), 6000)
+    labels = rng.integers(0, 2**31 - 1, 6000, dtype=np.int32, endpoint=True)
+    labels[rng.random(6000) < 0.3] = 2**31 - 1
+    fn = jax.jit(functools.partial(argsort_words, host=host))
+    for key in (words, labels):
+        np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(key))), np.argsort(key, kind="stable"))
+
+
 def test_zsort_donate_and_peak_memory() -> None:
     """``zsort.smap(mesh, donate=True)`` gives the same result and consumes its input; the peak memory per device
     (XLA's compile-time memory analysis, so deterministic) stays within bounds on 8 devices."""

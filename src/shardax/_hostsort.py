@@ -78,10 +78,11 @@ def _sort_words(words: Any, dtype: np.dtype) -> Any:
         return lax.bitcast_convert_type(out, words.dtype) if dtype.itemsize == 8 else out[..., None]
 
 
-def _numpy_sort(words: np.ndarray, dtype: np.dtype) -> np.ndarray:
+def _numpy_sort(words: np.ndarray, *, dtype: np.dtype) -> tuple[np.ndarray]:
+    """The callback: ``words (..., n, k)`` read as ``(..., n)`` values of ``dtype``, sorted along ``n``."""
     words = np.ascontiguousarray(words)
     values = words.view(dtype).reshape(words.shape[:-1])
-    return np.sort(values, axis=-1).view(words.dtype).reshape(words.shape)
+    return (np.sort(values, axis=-1).view(words.dtype).reshape(words.shape),)
 
 
 def _abstract(words: Any, *, dtype: np.dtype) -> Any:
@@ -116,13 +117,9 @@ def _cpu_lowering(ctx: Any, words: Any, *, dtype: np.dtype) -> Any:
     if not ok:
         return _default_lowering(ctx, words, dtype=dtype)
     result, _, _ = mlir.emit_python_callback(
-        ctx, functools.partial(_numpy_sort_flat, dtype=dtype), None, [words], ctx.avals_in, ctx.avals_out,
+        ctx, functools.partial(_numpy_sort, dtype=dtype), None, [words], ctx.avals_in, ctx.avals_out,
         has_side_effect=False, returns_token=False, sharding=sharding)
     return result
-
-
-def _numpy_sort_flat(words: np.ndarray, *, dtype: np.dtype) -> tuple[np.ndarray]:
-    return (_numpy_sort(words, dtype),)
 
 
 _default_lowering = mlir.lower_fun(_sort_words, multiple_results=False)

@@ -22,7 +22,7 @@ from ..comm import allgather, allreduce
 from ..comm._alltoallv import _exchange_counts_and_max, alltoallv_many, group_by_rank
 from ..core._rank import resolve_axes
 from ..core._vary import vary_like
-from ..particles._sort import argsort_keys
+from ..particles._sort import argsort_words
 from ._catalogue import Partial, combine, min_image
 
 INT_MAX = jnp.iinfo(jnp.int32).max
@@ -292,7 +292,7 @@ def boundary_totals(parts: Partial, label: jax.Array, boundary: jax.Array, rank:
     got_num = jnp.minimum(received, capacity)
     valid = jnp.arange(capacity, dtype=jnp.int32) < got_num
     got_label = jnp.where(valid, got["label"], INT_MAX)
-    order = argsort_keys(got_label.astype(jnp.uint32), jnp.zeros((capacity,), jnp.uint32))  # labels >= 0: stable
+    order = argsort_words(got_label)  # labels >= 0
     sorted_label = got_label[order]
     new = jnp.concatenate([jnp.ones((1,), bool), sorted_label[1:] != sorted_label[:-1]])
     segment = jnp.cumsum(new.astype(jnp.int32)) - 1

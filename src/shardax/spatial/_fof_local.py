@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..core._vary import vary_like
-from ..particles._sort import argsort_keys
+from ..particles._sort import argsort_words
 from ._grid import Domain, Grid, cell_coords, cell_keys, open_domain
 
 # Cell keys are int32: the product of the cell counts must stay below 2**31.
@@ -208,7 +208,7 @@ def sort_points(pos: jax.Array, valid: jax.Array, space: LinkSpace, grid: Grid, 
     starts = _cumsum(counts) - counts  # exclusive: starts[table_cells] = number of valid points
 
     def comparison() -> jax.Array:  # stable by key (keys are non-negative), one packed sort
-        return argsort_keys(keys.astype(jnp.uint32), jnp.zeros((n,), jnp.uint32))
+        return argsort_words(keys)
 
     if rounds < 1:
         rows = comparison()

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..core._vary import vary_like
-from ..particles._sort import argsort_keys
+from ..particles._sort import argsort_words
 from ._grid import SENTINEL_KEY, Domain, Grid, axis_margin, cell_coords, cell_keys
 
 
@@ -62,7 +62,7 @@ def positions_of(mask: jax.Array, size: int, fill: jax.Array | int) -> jax.Array
 def _sort_by_key(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(keys[order], order)`` for the stable argsort of the non-negative int32 ``keys`` (one packed 64-bit sort,
     on CPU by NumPy: XLA:CPU sorts a key with a payload through a comparator called per comparison)."""
-    order = argsort_keys(keys.astype(jnp.uint32), jnp.zeros(keys.shape, jnp.uint32))
+    order = argsort_words(keys)
     return keys[order], order
 
 
