@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -204,4 +205,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from shardax.runtime._malloc import restart_with_malloc_env
+
+    # glibc's allocator as in the processes shardax launches (SHARDAX_MALLOC=system: its defaults)
+    restart_with_malloc_env(sys.argv)
     main()

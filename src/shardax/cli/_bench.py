@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ..runtime._malloc import malloc_env
 from ._bench_cases import KERNELS, Kernel, Target
 from ._launch import _INHERITED_RUN_VARS, launch_job
 from ._procs import JobResult, ProcessSpec, Stream, run_job
@@ -296,6 +297,7 @@ def _run_worker(config: DeviceConfig, cases: list[tuple[str, int]], repeat: int,
         json.dump({"cases": cases, "repeat": repeat, "cpu_devices": config.per_process, "result": result}, f)
     env = {k: v for k, v in os.environ.items() if k not in _INHERITED_RUN_VARS}
     env.update({"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(config.per_process), "PYTHONUNBUFFERED": "1"})
+    env.update(malloc_env(env))  # every configuration with the allocator of launched processes
     if cache_dir is not None:
         env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
     argv = ["-m", "shardax.cli._bench_worker", plan]

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from ..runtime._env import ENV_COORDINATOR, ENV_CPU_DEVICES, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from ..runtime._malloc import malloc_env
 from ._procs import ConsoleSink, JobResult, ProcessSpec, Sink, run_job
 
 # Variables of an enclosing run that must not leak into the children of a new one.
@@ -24,8 +25,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def child_env(base: Mapping[str, str], *, process_id: int, num_processes: int, coordinator: str,
               cpu_devices: int | None) -> dict[str, str]:
-    """The environment of one launched process: ``base`` plus what :func:`shardax.initialize` reads."""
+    """The environment of one launched process: ``base`` plus what :func:`shardax.initialize` reads, and glibc's
+    allocator set up for XLA:CPU (``shardax.runtime._malloc``; not when ``base`` has ``SHARDAX_MALLOC=system`` or sets
+    glibc's ``MALLOC_*`` variables itself)."""
     env = {k: v for k, v in base.items() if k not in _INHERITED_RUN_VARS}
+    env.update(malloc_env(env))
     env.update({ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(num_processes),
                 ENV_PROCESS_ID: str(process_id), "PYTHONUNBUFFERED": "1"})
     if cpu_devices is not None:
@@ -191,6 +195,7 @@ def run_cli(argv: Sequence[str]) -> int:
         parser.error("missing the script to run (script.py or -m module)")
     try:
         argv_ = target_argv(target)
+        malloc_env(os.environ)  # a bad SHARDAX_MALLOC, before anything starts
     except ValueError as err:
         parser.error(str(err))
     return launch(argv_, num_processes=ns.num_processes, cpu_devices=ns.cpu_devices, timeout_s=ns.timeout)

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from .._version import __version__
+from ..runtime._malloc import restart_with_malloc_env
 from ._bench import run_cli as _bench_cli
 from ._demo import run_cli as _demo_cli
 from ._doctor import run_cli as _doctor_cli
@@ -57,8 +58,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands that compute in their own process (the others start processes or only check).
+_COMPUTING = ("halos", "demo")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``shardax`` console script.
+
+    Run as the console script (``argv`` left ``None``), ``halos`` and ``demo`` compute in this process: it restarts
+    once with glibc's allocator set up for XLA:CPU (``shardax.runtime._malloc``; ``SHARDAX_MALLOC=system`` keeps the
+    defaults).
 
     Args:
         argv: the arguments after the program name (default: ``sys.argv[1:]``).
@@ -80,4 +89,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = SUBCOMMANDS.get(name)
     if command is None:
         parser.error(f"unknown command {name!r}; choose from {', '.join(SUBCOMMANDS)}")
+    if argv is None and name in _COMPUTING and not {"-h", "--help"} & set(rest):
+        try:
+            restart_with_malloc_env(["-m", "shardax.cli", *args])
+        except ValueError as err:  # a bad SHARDAX_MALLOC
+            parser.error(str(err))
     return command.run(rest)

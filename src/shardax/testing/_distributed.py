@@ -16,6 +16,7 @@ from typing import Any, Literal
 from ..cli._launch import check_counts, launch_job
 from ..cli._procs import CaptureSink, JobResult, ProcessSpec, run_job
 from ..runtime._env import ENV_CPU_DEVICES
+from ..runtime._malloc import MALLOC_ENV, malloc_env
 
 Launcher = Literal["shardax", "mpirun"]
 _RUN_VARS = ("SHARDAX_COORDINATOR_ADDRESS", "SHARDAX_NUM_PROCESSES", "SHARDAX_PROCESS_ID", "SHARDAX_INITIALIZED")
@@ -114,7 +115,9 @@ def _locate(fn: Callable[..., Any]) -> tuple[str, str, str]:
 
 
 def _mpirun_spec(mpirun: str, argv: Sequence[str], num_processes: int, env: Mapping[str, str]) -> ProcessSpec:
-    exported = [v for v in ("JAX_NUM_CPU_DEVICES", ENV_CPU_DEVICES, "PYTHONPATH", "PYTHONUNBUFFERED") if v in env]
+    env = {**env, **malloc_env(env)}
+    exported = [v for v in ("JAX_NUM_CPU_DEVICES", ENV_CPU_DEVICES, "PYTHONPATH", "PYTHONUNBUFFERED", *MALLOC_ENV)
+                if v in env]
     command = [mpirun, "--allow-run-as-root", "--oversubscribe", "--tag-output", "-n", str(num_processes)]
     for var in exported:
         command += ["-x", var]
