@@ -21,6 +21,7 @@ MALLOC_TRIM_THRESHOLD_=1099511627776 python script.py`` (``mpirun -x ...`` or ``
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import sys
@@ -36,7 +37,8 @@ MALLOC_ENV: dict[str, str] = {
 ENV = "SHARDAX_MALLOC"
 
 
-def _glibc() -> bool:
+@functools.cache
+def _glibc() -> bool:  # (libc_ver reads the interpreter's binary)
     return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 
