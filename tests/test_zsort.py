@@ -290,9 +290,16 @@ def test_argsort_words_is_numpys_stable_argsort(host: bool) -> None:
     words = rng.choice(rng.integers(0, 2**32, 50, dtype=np.uint64).astype(np.uint32), 6000)
     labels = rng.integers(0, 2**31 - 1, 6000, dtype=np.int32, endpoint=True)
     labels[rng.random(6000) < 0.3] = 2**31 - 1
+    from shardax.particles._sort import sort_words
+
     fn = jax.jit(functools.partial(argsort_words, host=host))
+    both = jax.jit(functools.partial(sort_words, host=host))
     for key in (words, labels):
         np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(key))), np.argsort(key, kind="stable"))
+        sorted_key, perm = both(jnp.asarray(key))
+        assert sorted_key.dtype == key.dtype
+        np.testing.assert_array_equal(np.asarray(sorted_key), np.sort(key))
+        np.testing.assert_array_equal(np.asarray(perm), np.argsort(key, kind="stable"))
 
 
 def test_zsort_donate_and_peak_memory() -> None:

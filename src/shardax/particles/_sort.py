@@ -54,28 +54,43 @@ def argsort_keys(hi: jax.Array, lo: jax.Array, *, host: bool = True) -> jax.Arra
         return _lsd(hi, lo, n, bits, sort)
 
 
-def argsort_words(key: jax.Array, *, host: bool = True) -> jax.Array:
-    """Stable argsort of 32-bit keys: :func:`argsort_keys` of ``(key, 0)`` in one packed sort (``key`` in the top 32
-    bits, the row below it), without the refining pass that a zero low word never needs.
+def sort_words(key: jax.Array, *, host: bool = True) -> tuple[jax.Array, jax.Array]:
+    """Stable sort of 32-bit keys with their permutation: :func:`argsort_keys` of ``(key, 0)`` in one packed sort
+    (``key`` in the top 32 bits, the row below it), without the refining pass that a zero low word never needs. The
+    sorted keys are read off the packed words (no gather).
 
     Args:
         key: `(n,)` uint32, or int32 whose values are non-negative (their unsigned order is their order).
         host: as in :func:`argsort_keys`.
 
     Returns:
-        `(n,)` int32 permutation: ``key[perm]`` is ascending, equal keys keep their input order.
+        ``(sorted_key, perm)``: `(n,)` ``key[perm]`` (``key``'s dtype) and the `(n,)` int32 permutation; equal keys
+        keep their input order.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> [a.tolist() for a in sort_words(jnp.array([3, 1, 3, 0], jnp.int32))]
+        [[0, 1, 3, 3], [3, 1, 0, 2]]
+    """
+    n = key.shape[0]
+    if n <= 1:
+        return key, jnp.arange(n, dtype=jnp.int32)
+    with jax.enable_x64(True):
+        packed = key.astype(jnp.uint32).astype(jnp.uint64) << jnp.uint64(32) | lax.iota(jnp.uint64, n)
+        packed = (_host_sort if host else lax.sort)(packed)
+        return ((packed >> jnp.uint64(32)).astype(jnp.uint32).astype(key.dtype),
+                (packed & _low(32)).astype(jnp.int32))
+
+
+def argsort_words(key: jax.Array, *, host: bool = True) -> jax.Array:
+    """The permutation of :func:`sort_words`: `(n,)` int32, ``key[perm]`` ascending, ties in input order.
 
     Example:
         >>> import jax.numpy as jnp
         >>> argsort_words(jnp.array([3, 1, 3, 0], jnp.int32)).tolist()
         [3, 1, 0, 2]
     """
-    n = key.shape[0]
-    if n <= 1:
-        return jnp.arange(n, dtype=jnp.int32)
-    with jax.enable_x64(True):
-        packed = key.astype(jnp.uint32).astype(jnp.uint64) << jnp.uint64(32) | lax.iota(jnp.uint64, n)
-        return ((_host_sort if host else lax.sort)(packed) & _low(32)).astype(jnp.int32)
+    return sort_words(key, host=host)[1]
 
 
 def _low(bits: int) -> jax.Array:

@@ -22,7 +22,7 @@ from ..comm import allgather, allreduce
 from ..comm._alltoallv import _exchange_counts_and_max, alltoallv_many, group_by_rank
 from ..core._rank import resolve_axes
 from ..core._vary import vary_like
-from ..particles._sort import argsort_words
+from ..particles._sort import sort_words
 from ._catalogue import Partial, combine, min_image
 
 INT_MAX = jnp.iinfo(jnp.int32).max
@@ -292,8 +292,7 @@ def boundary_totals(parts: Partial, label: jax.Array, boundary: jax.Array, rank:
     got_num = jnp.minimum(received, capacity)
     valid = jnp.arange(capacity, dtype=jnp.int32) < got_num
     got_label = jnp.where(valid, got["label"], INT_MAX)
-    order = argsort_words(got_label)  # labels >= 0
-    sorted_label = got_label[order]
+    sorted_label, order = sort_words(got_label)  # labels >= 0
     new = jnp.concatenate([jnp.ones((1,), bool), sorted_label[1:] != sorted_label[:-1]])
     segment = jnp.cumsum(new.astype(jnp.int32)) - 1
     pieces = Partial(*(got[f"p_{k}"][order] for k in Partial._fields))

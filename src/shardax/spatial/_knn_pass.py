@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..core._vary import vary_like
-from ..particles._sort import argsort_words
+from ..particles._sort import sort_words
 from ._grid import SENTINEL_KEY, Domain, Grid, axis_margin, cell_coords, cell_keys
 
 
@@ -59,13 +59,6 @@ def positions_of(mask: jax.Array, size: int, fill: jax.Array | int) -> jax.Array
     return jnp.where(jnp.arange(size, dtype=jnp.int32) < count, found.astype(jnp.int32), fill)
 
 
-def _sort_by_key(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(keys[order], order)`` for the stable argsort of the non-negative int32 ``keys`` (one packed 64-bit sort,
-    on CPU by NumPy: XLA:CPU sorts a key with a payload through a comparator called per comparison)."""
-    order = argsort_words(keys)
-    return keys[order], order
-
-
 def _axis_offsets(reach: int) -> tuple[int, ...]:
     # 0, -1, 1, -2, 2, ...: on a short periodic axis the duplicates of a cell are always the later offsets.
     return (0, *(o for j in range(1, reach + 1) for o in (-j, j)))
@@ -86,7 +79,7 @@ class SortedData(NamedTuple):
 def sort_data(data_pos: jax.Array, data_valid: jax.Array, domain: Domain, grid: Grid) -> SortedData:
     """The valid data rows sorted by cell key (invalid rows last, with the sentinel key)."""
     keys = jnp.where(data_valid, cell_keys(cell_coords(data_pos, domain, grid), grid), SENTINEL_KEY)
-    keys, rows = _sort_by_key(keys)
+    keys, rows = sort_words(keys)
     return SortedData(keys, rows, data_pos[rows])
 
 
@@ -117,7 +110,7 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, domain:
 
     qcoords = cell_coords(query_pos, domain, grid)
     qkeys = jnp.where(active, cell_keys(qcoords, grid), SENTINEL_KEY)
-    qkeys, qperm = _sort_by_key(qkeys)
+    qkeys, qperm = sort_words(qkeys)
     qpos = query_pos[qperm]
     qcoords = qcoords[qperm]
     num_active = jnp.sum(active, dtype=jnp.int32)
