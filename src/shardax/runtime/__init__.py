@@ -1,5 +1,7 @@
-"""Process and device world: initialize, World, meshes, host replication, program guard and watchdog."""
+"""Process and device world: initialize, World, meshes, host replication, program guard, watchdog and the
+CPUs XLA:CPU compiles for."""
 
+from ._compile import limited_cpus as limited_cpus
 from ._env import LaunchInfo as LaunchInfo
 from ._env import detect as detect_launch
 from ._guard import configure_guard as configure_guard
@@ -13,4 +15,4 @@ from ._world import grid_mesh as grid_mesh
 from ._world import world as world
 
 __all__ = ["LaunchInfo", "World", "configure_guard", "configure_watchdog", "detect_launch", "device_grid",
-           "flat_mesh", "grid_mesh", "host_replicate", "initialize", "world"]
+           "flat_mesh", "grid_mesh", "host_replicate", "initialize", "limited_cpus", "world"]

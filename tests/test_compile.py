@@ -1,0 +1,122 @@
+"""Programs over several CPU devices of a process are compiled with operations kept whole
+(``shardax.runtime._compile``): the rule, the affinity it sets and restores, that XLA reads it, and that ``smap``
+uses it once per program and argument shapes."""
+
+from __future__ import annotations
+
+import os
+import platform
+import threading
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import shardax as sx
+from shardax.core import _smap
+from shardax.runtime import _compile
+from shardax.runtime._compile import limited_cpus, split_cpus
+
+linux_two_cpus = pytest.mark.skipif(platform.system() != "Linux" or len(os.sched_getaffinity(0)) < 2,
+                                    reason="needs Linux and at least 2 CPUs")
+
+
+def _cpu(process: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(platform="cpu", process_index=process)
+
+
+def test_split_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_compile, "_allowed_cpus", lambda: set(range(16)))
+    eight = [_cpu() for _ in range(8)]
+    assert split_cpus(eight, {}) == 2  # 16 CPUs over 8 local devices
+    assert split_cpus([_cpu() for _ in range(32)], {}) == 1
+    assert split_cpus(eight[:1], {}) is None  # one device: XLA's own split
+    assert split_cpus(eight[:1] + [_cpu(1) for _ in range(7)], {}) is None  # one of them in this process
+    assert split_cpus([_cpu(p) for p in (0, 0, 1, 1)], {}) == 8  # two of them in this process
+    assert split_cpus(eight, {"SHARDAX_CPU_SPLIT": "system"}) is None
+    assert split_cpus(eight, {"SHARDAX_CPU_SPLIT": "3"}) == 3
+    assert split_cpus(eight, {"SHARDAX_CPU_SPLIT": "64"}) is None  # every CPU: nothing to restrict
+    assert split_cpus([SimpleNamespace(platform="gpu", process_index=0)] * 8, {}) is None
+    for bad in ("0", "-1", "many"):
+        with pytest.raises(ValueError, match="SHARDAX_CPU_SPLIT"):
+            split_cpus(eight, {"SHARDAX_CPU_SPLIT": bad})
+
+
+@linux_two_cpus
+def test_limited_cpus_restores_every_thread() -> None:
+    allowed = os.sched_getaffinity(0)
+    stop = threading.Event()
+    seen: dict[str, set[int]] = {}
+
+    def worker(name: str) -> None:
+        seen[name + " start"] = set(os.sched_getaffinity(0))
+        stop.wait()
+        seen[name + " end"] = set(os.sched_getaffinity(0))
+
+    before = threading.Thread(target=worker, args=("before",))
+    before.start()
+    with limited_cpus(1):
+        mine = os.sched_getaffinity(0)
+        assert len(mine) == 1 and mine <= allowed
+        masks = [os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")]
+        assert all(len(m) == 1 for m in masks)
+        assert len(set().union(*masks)) == min(len(allowed), len(masks))  # threads in turn over every CPU
+        inside = threading.Thread(target=worker, args=("inside",))
+        inside.start()
+    assert os.sched_getaffinity(0) == allowed
+    stop.set()
+    before.join()
+    inside.join()
+    assert seen["before end"] == allowed  # restored
+    assert seen["inside start"] == mine and seen["inside end"] == allowed  # started inside: the process's CPUs
+    with limited_cpus(len(allowed)):  # every CPU: nothing to restrict
+        assert os.sched_getaffinity(0) == allowed
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="count"), limited_cpus(bad):  # type: ignore[arg-type]
+            pass
+
+
+def _partitioned(compiled_text: str) -> int:
+    """Operations XLA:CPU split into 2 parts (the split it sizes by the compiling thread's CPUs on 2 CPUs)."""
+    return compiled_text.count('"outer_dimension_partitions":["2"]')
+
+
+@linux_two_cpus
+def test_xla_reads_the_cpus_at_compile_time() -> None:
+    # What the mechanism rests on: XLA:CPU sizes its split of large operations by the CPUs the compiler may use.
+    x = jnp.ones((1 << 20,), jnp.float32)
+    whole = jax.jit(lambda v: jnp.sin(v) * 2 + 1).lower(x).compile().as_text()
+    with limited_cpus(1):
+        kept = jax.jit(lambda v: jnp.cos(v) * 2 + 1).lower(x).compile().as_text()
+    if len(os.sched_getaffinity(0)) == 2:
+        assert _partitioned(whole) >= 1
+    assert '"outer_dimension_partitions"' not in kept or _partitioned(kept) == 0
+
+
+def test_smap_compiles_once_per_shapes_with_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = _compile.compile_for_devices
+
+    def spy(jitted, args, devices):  # type: ignore[no-untyped-def]
+        devices = list(devices)
+        calls.append(len(devices))
+        return real(jitted, args, devices)
+
+    monkeypatch.setattr(_smap, "compile_for_devices", spy)
+    mesh = sx.flat_mesh()
+    ndev = mesh.devices.size
+
+    def body(x: jax.Array) -> jax.Array:
+        return sx.comm.allreduce(jnp.sum(jnp.sin(x) ** 2))
+
+    f = sx.smap(body, in_specs=(P(sx.ALL),), out_specs=P(), mesh=mesh, jit=True)
+    for n in (1000, 1000, 2000):
+        x = np.linspace(0, 1, ndev * n, dtype=np.float32).reshape(ndev, n)
+        np.testing.assert_allclose(float(f(jnp.asarray(x))), float(np.sum(np.sin(x) ** 2)), rtol=1e-4)
+    assert calls == [ndev, ndev]  # the first call of each shape
+    g = sx.smap(body, in_specs=(P(sx.ALL),), out_specs=P(), mesh=mesh)  # not jitted: nothing compiled ahead
+    g(jnp.ones((ndev, 10), jnp.float32))
+    assert calls == [ndev, ndev]
