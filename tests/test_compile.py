@@ -74,6 +74,12 @@ def test_limited_cpus_restores_every_thread() -> None:
     assert seen["inside start"] == mine and seen["inside end"] == allowed  # started inside: the process's CPUs
     with limited_cpus(len(allowed)):  # every CPU: nothing to restrict
         assert os.sched_getaffinity(0) == allowed
+    with limited_cpus(1):  # nested (a kernel compiled inside a user's limited_cpus): no deadlock, outer restored
+        outer = os.sched_getaffinity(0)
+        with limited_cpus(1):
+            assert os.sched_getaffinity(0) == outer
+        assert os.sched_getaffinity(0) == outer
+    assert os.sched_getaffinity(0) == allowed
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="count"), limited_cpus(bad):  # type: ignore[arg-type]
             pass

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 ENV = "SHARDAX_CPU_SPLIT"
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # re-entrant: an smap kernel compiled inside a user's limited_cpus
 
 
 def _allowed_cpus() -> set[int] | None:
