@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
-from shardax.core import _smap
 from shardax.runtime import _compile
 from shardax.runtime._compile import limited_cpus, split_cpus
 
@@ -102,7 +102,7 @@ def test_xla_reads_the_cpus_at_compile_time() -> None:
     assert '"outer_dimension_partitions"' not in kept or _partitioned(kept) == 0
 
 
-def test_smap_compiles_once_per_shapes_with_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_smap_and_fft_compile_once_per_shapes_with_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     real = _compile.compile_for_devices
 
@@ -111,7 +111,7 @@ def test_smap_compiles_once_per_shapes_with_the_rule(monkeypatch: pytest.MonkeyP
         calls.append(len(devices))
         return real(jitted, args, devices)
 
-    monkeypatch.setattr(_smap, "compile_for_devices", spy)
+    monkeypatch.setattr(_compile, "compile_for_devices", spy)
     mesh = sx.flat_mesh()
     ndev = mesh.devices.size
 
@@ -126,3 +126,12 @@ def test_smap_compiles_once_per_shapes_with_the_rule(monkeypatch: pytest.MonkeyP
     g = sx.smap(body, in_specs=(P(sx.ALL),), out_specs=P(), mesh=mesh)  # not jitted: nothing compiled ahead
     g(jnp.ones((ndev, 10), jnp.float32))
     assert calls == [ndev, ndev]
+    jax.jit(f)(jnp.ones((ndev, 10), jnp.float32))  # under an outer jit: the outer program is what compiles
+    assert calls == [ndev, ndev]
+
+    # The global FFTs jit an smap of their own: the same rule.
+    cube = np.random.default_rng(0).standard_normal((ndev, 8, 8)).astype(np.complex64)
+    x = jax.device_put(cube, NamedSharding(mesh, P(mesh.axis_names[0])))
+    for _ in range(2):
+        np.testing.assert_allclose(np.asarray(sx.fft.fftn(x)), np.fft.fftn(cube), rtol=1e-4, atol=1e-4)
+    assert calls == [ndev, ndev, ndev]

@@ -14,7 +14,7 @@ from jax.core import Tracer
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ..runtime import flat_mesh
-from ..runtime._compile import compile_for_devices
+from ..runtime._compile import compile_ahead
 from ..runtime._guard import guard_call, last_call
 from ..runtime._watchdog import watch
 
@@ -251,7 +251,6 @@ def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = N
         f = _positional(f, signature)
     qualname = f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', name)}"
     cache: dict[Hashable, Callable] = {}
-    compiled: set[Hashable] = set()
 
     def bind(args: tuple, kwargs: dict) -> tuple:
         if not kwargs:
@@ -313,6 +312,8 @@ def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = N
                         raise ValueError(f"donate_argnums={donate_argnums!r}: {i} is not a positional array "
                                          f"argument of {name} (it has {len(args)}; static ones cannot be donated)")
                 fn = jax.jit(fn, donate_argnums=tuple(dyn_idx.index(i) for i in donate))
+                # Several CPU devices of this process: compiled with operations kept whole (see runtime._compile).
+                fn = compile_ahead(fn, the_mesh.devices.flat)
                 cache[key] = fn
         leaves = jax.tree.leaves(dyn_args)
         if any(isinstance(leaf, Tracer) for leaf in leaves):
@@ -322,10 +323,6 @@ def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = N
                    [(arg_name(i), _describe_arg(args[i])) for i in dyn_idx],
                    ", ".join(f"{arg_name(i)}={_stable_repr(v)}" for i, v in zip(static, static_vals, strict=True)),
                    f"{dict(the_mesh.shape)}")
-        if jit and (key, signature) not in compiled:
-            # Several CPU devices of this process: compiled with operations kept whole (see runtime._compile).
-            compile_for_devices(fn, dyn_args, the_mesh.devices.flat)
-            compiled.add((key, signature))
         out = fn(*dyn_args)
         number, description = last_call()
         watch(number, description, out)

@@ -13,6 +13,7 @@ from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..core import default_mesh, smap
+from ..runtime._compile import compile_ahead
 from ._layout import Layout, local_layout
 from ._plan import TRANSPOSED_PERM, FFTPlan, Kind, LayoutArg, Norm, make_plan
 
@@ -229,7 +230,8 @@ def _global_fn(mesh: Mesh, fft_plan: FFTPlan, norm: Norm) -> Callable[[jax.Array
 
     mapped = smap(body, in_specs=(fft_plan.in_spec,), out_specs=fft_plan.out_spec, mesh=mesh,
                   expand=False)
-    return jax.jit(mapped)
+    # Several CPU devices of this process: compiled with operations kept whole (see runtime._compile).
+    return compile_ahead(jax.jit(mapped), mesh.devices.flat)
 
 
 def _run_global(kind: Kind, name: str, x: Any, mesh: Mesh | None, spec: Any, norm: Any, layout: Any,

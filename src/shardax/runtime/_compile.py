@@ -7,7 +7,7 @@ thread per device: the split parts then only add synchronisation and cache traff
 devices, FoF over 1e6 points took 0.37-0.39 s compiled the default way and 0.27-0.28 s compiled with operations
 kept whole, while the 1-device program is faster split (0.22 s against 0.27 s).
 
-So ``smap(jit=True)`` compiles a program whose mesh has several CPU devices in this process with
+So ``smap(jit=True)`` (and the global FFTs, which jit an ``smap`` of their own) compiles a program whose mesh has several CPU devices in this process with
 :func:`limited_cpus`: while XLA compiles it, each of the process's threads may only run on ``max(1, cpus // local
 devices)`` of its CPUs (different threads on different CPUs, so the compilation itself still uses them all), and
 then the threads get their CPUs back. The program runs on all of them. ``SHARDAX_CPU_SPLIT`` overrides the rule:
@@ -17,10 +17,15 @@ then the threads get their CPUs back. The program runs on all of them. ``SHARDAX
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any
+
+import jax
+import numpy as np
+from jax.core import Tracer
 
 ENV = "SHARDAX_CPU_SPLIT"
 _LOCK = threading.RLock()  # re-entrant: an smap kernel compiled inside a user's limited_cpus
@@ -52,8 +57,6 @@ def split_cpus(devices: Sequence[Any], env: dict[str, str] | None = None) -> int
     allowed = _allowed_cpus()
     if allowed is None:
         return None
-    import jax
-
     me = jax.process_index()
     local = sum(1 for d in devices if d.process_index == me)
     if local < 2:
@@ -119,3 +122,23 @@ def compile_for_devices(jitted: Any, args: Sequence[Any], devices: Iterable[Any]
     with limited_cpus(count):
         jitted.lower(*args).compile()
     return True
+
+
+def compile_ahead(jitted: Callable[..., Any], devices: Iterable[Any]) -> Callable[..., Any]:
+    """``jitted`` (a ``jax.jit`` function over ``devices``) that, on its first call for each argument structure,
+    shapes and dtypes, is compiled by :func:`compile_for_devices` first. Calls under an outer trace pass straight
+    through (the outer program is what gets compiled)."""
+    devices = tuple(devices)
+    seen: set[Hashable] = set()
+
+    @functools.wraps(jitted)
+    def call(*args: Any) -> Any:
+        leaves, tree = jax.tree.flatten(args)
+        if not any(isinstance(leaf, Tracer) for leaf in leaves):
+            key = (tree, tuple((np.shape(leaf), str(getattr(leaf, "dtype", type(leaf).__name__))) for leaf in leaves))
+            if key not in seen:
+                compile_for_devices(jitted, args, devices)
+                seen.add(key)
+        return jitted(*args)
+
+    return call
