@@ -183,9 +183,12 @@ def check_alltoallv(mesh: Mesh) -> None:
     cap = int(uneven.sum(0).max()) + 1
     _alltoallv_case(mesh, uneven, cap)
     _alltoallv_case(mesh, uneven, cap, chunk=1)           # many rounds
+    _alltoallv_case(mesh, uneven, cap, chunk=(1, 2, 3))   # a ladder: one round of 3 rows when the largest count fits
+    _alltoallv_case(mesh, uneven, cap, chunk=(1, 2))      # a ladder too short for one round: rounds of its largest
     one = np.zeros((size, size), np.int64)
     one[:, 0] = 3                          # everything to rank 0
     _alltoallv_case(mesh, one, 3 * size)
+    _alltoallv_case(mesh, one, 3 * size, chunk=sx.comm.chunk_ladder(3 * size))
     _alltoallv_case(mesh, one, max(3 * size - 2, 1))      # overflow on rank 0 only
     _alltoallv_case(mesh, np.zeros((size, size), np.int64), 4)
 

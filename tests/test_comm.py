@@ -53,6 +53,9 @@ def test_bad_input():
         _in_mesh(lambda: sx.comm.allreduce(jnp.zeros(2), axis="nope"))
     with pytest.raises(ValueError, match="capacity must be a positive Python int"):
         sx.comm.alltoallv(jnp.zeros(4), jnp.array([4]), capacity=0)
+    for chunk in (0, -2, (), (4, 0), 2.5, True):
+        with pytest.raises(ValueError, match="chunk must be None, a positive int or a non-empty tuple"):
+            sx.comm.alltoallv(jnp.zeros(4), jnp.array([4]), capacity=4, chunk=chunk)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"send_counts must have shape \(4,\)"):
         _in_mesh(lambda: sx.comm.alltoallv(jnp.zeros(4), jnp.array([4]), capacity=4)[1].sum())
     with pytest.raises(ValueError, match=r"dest must have shape \(4,\)"):

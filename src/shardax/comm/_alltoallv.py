@@ -13,6 +13,7 @@ call uses ``lax.ragged_all_to_all``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -25,6 +26,10 @@ from ..core._rank import AxisSpec, axes_size, resolve_axes
 from ..core._vary import vary_over, varying
 
 Impl = Literal["auto", "chunked", "ragged"]
+#: Rows per rank pair and round of the chunked path: one size, ``None`` for :func:`default_chunk`, or a ladder of
+#: sizes (a tuple) from which each call picks at run time the smallest that moves the largest count in one round
+#: (every rank knows that count, so all pick the same; see :func:`chunk_ladder`).
+Chunk = int | tuple[int, ...] | None
 
 
 def _exclusive_cumsum(x: jax.Array) -> jax.Array:
@@ -81,7 +86,7 @@ def default_chunk(capacity: int, size: int) -> int:
 
 
 def _chunked(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: jax.Array, capacity: int,
-             axes: tuple[str, ...], size: int, chunk: int | None, perm: jax.Array | None,
+             axes: tuple[str, ...], size: int, chunk: Chunk, perm: jax.Array | None,
              recv_at: jax.Array | None, init: Sequence[jax.Array] | None, target: jax.Array | None,
              row_maps: Sequence[Any] | None, largest: jax.Array) -> list[jax.Array]:
     """The portable path: rounds of one fixed-size ``all_to_all`` each, received rows scattered into place.
@@ -95,13 +100,11 @@ def _chunked(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: j
     a wrapped copy of the whole array); it maps `(..., rows, *trailing)` to `(..., rows, *other)` row by row and may
     change the trailing shape and dtype (e.g. positions into their sort keys), in which case ``init`` gives the
     received buffers' shape and dtype. ``largest``: the largest send count over all ranks (from
-    :func:`_exchange_counts_and_max`); it fixes the number of rounds.
+    :func:`_exchange_counts_and_max`); it fixes the number of rounds. ``chunk``: rows per rank pair and round, or a
+    ladder of sizes (see :data:`Chunk`).
     """
-    c = chunk or default_chunk(capacity, size)
     send_offsets = _exclusive_cumsum(send_counts)
     recv_offsets = _exclusive_cumsum(recv_counts) if recv_at is None else recv_at
-    rounds = -(-jnp.minimum(largest, capacity) // c)
-    lanes = jnp.arange(c, dtype=jnp.int32)
     if init is None:
         # Zeros that depend on the counts, so that XLA cannot allocate the receive buffers long before the exchange
         # (a constant broadcast may be scheduled at the very start and held through everything before it).
@@ -134,7 +137,13 @@ def _chunked(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: j
         fn = None if row_maps is None else row_maps[k]
         return rows if fn is None else fn(rows)
 
-    def one_round(t: jax.Array, outs: list[jax.Array]) -> list[jax.Array]:
+    def rounds_of(c: int, outs: list[jax.Array]) -> list[jax.Array]:
+        lanes = jnp.arange(c, dtype=jnp.int32)
+        rounds = -(-jnp.minimum(largest, capacity) // c)
+        return lax.fori_loop(jnp.int32(0), jnp.maximum(rounds, 1).astype(jnp.int32),
+                             lambda t, outs: one_round(c, lanes, t, outs), outs)
+
+    def one_round(c: int, lanes: jax.Array, t: jax.Array, outs: list[jax.Array]) -> list[jax.Array]:
         start = t * c
         ok = (start + lanes)[None, :] < send_counts[:, None]  # (size, c)
         at_send = jnp.clip(send_offsets[:, None] + start + lanes[None, :], 0, None)  # position in the send order
@@ -173,7 +182,54 @@ def _chunked(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: j
             new[k] = outs[k].at[dest].set(recv.reshape(size * c, *outs[k].shape[1:]), mode="drop")
         return new
 
-    return lax.fori_loop(jnp.int32(0), jnp.maximum(rounds, 1).astype(jnp.int32), one_round, outs)
+    sizes = _chunk_sizes(chunk, capacity, size)
+    if len(sizes) == 1:
+        return rounds_of(sizes[0], outs)
+    # Every rank knows ``largest``, so all take the same branch: the smallest size that moves it in one round.
+    pick = jnp.sum(jnp.asarray(sizes[:-1], jnp.int32) < jnp.minimum(largest, capacity)).astype(jnp.int32)
+    return lax.switch(pick, [functools.partial(rounds_of, c) for c in sizes], outs)
+
+
+def _check_chunk(chunk: Any) -> None:
+    def positive(c: Any) -> bool:
+        return isinstance(c, int) and not isinstance(c, bool) and c > 0
+
+    if chunk is None or positive(chunk) or (isinstance(chunk, tuple) and chunk and all(map(positive, chunk))):
+        return
+    raise ValueError(f"chunk must be None, a positive int or a non-empty tuple of positive ints (rows per rank "
+                     f"pair and round), got {chunk!r}")
+
+
+def _chunk_sizes(chunk: Chunk, capacity: int, size: int) -> tuple[int, ...]:
+    if chunk is None:
+        return (default_chunk(capacity, size),)
+    if isinstance(chunk, int):
+        return (chunk,)
+    sizes = tuple(sorted({max(1, min(int(c), capacity)) for c in chunk}))
+    if not sizes:
+        raise ValueError("chunk: an empty ladder of chunk sizes")
+    return sizes
+
+
+def chunk_ladder(capacity: int, steps: int = 4) -> tuple[int, ...]:
+    """Rows per rank pair and round for exchanges whose largest count varies widely at run time: ``capacity``,
+    halved ``steps - 1`` times (e.g. ``capacity / 8 ... capacity``).
+
+    Passed as ``chunk``, the exchange picks at run time the smallest size that holds the largest count in one
+    round: one collective whatever the traffic, and at most twice the rows that traffic needs (above
+    ``capacity / 2**(steps - 1)``). For boundary exchanges (ghosts and their labels), whose largest pair count is
+    a fraction of the buffer that depends on the data; each size compiles a loop of its own.
+
+    Example:
+        >>> import shardax as sx
+        >>> sx.comm.chunk_ladder(1000)
+        (125, 250, 500, 1000)
+        >>> # inside smap: sx.comm.alltoallv(rows, counts, capacity=1000, chunk=sx.comm.chunk_ladder(1000))
+    """
+    capacity = _check_capacity(capacity)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    return tuple(sorted({max(1, -(-capacity // 2**k)) for k in range(steps)}))
 
 
 def ragged_plan(send_counts: jax.Array, recv_counts: jax.Array, capacity: int, axes: tuple[str, ...],
@@ -227,7 +283,7 @@ def group_by_rank(key: jax.Array, size: int, *, host: bool = False) -> tuple[jax
 
 
 def alltoallv_many(arrays: Sequence[jax.Array], send_counts: jax.Array, capacity: int, axes: tuple[str, ...],
-                    impl: Impl, chunk: int | None, *, perm: jax.Array | None = None, recv_at: jax.Array | None = None,
+                    impl: Impl, chunk: Chunk, *, perm: jax.Array | None = None, recv_at: jax.Array | None = None,
                     init: Sequence[jax.Array] | None = None, target: jax.Array | None = None,
                     row_maps: Sequence[Any] | None = None, plan: tuple[jax.Array, jax.Array] | None = None
                     ) -> tuple[list[jax.Array], jax.Array, jax.Array]:
@@ -265,7 +321,7 @@ def alltoallv_many(arrays: Sequence[jax.Array], send_counts: jax.Array, capacity
 
 
 def alltoallv(x: jax.Array, send_counts: jax.Array, *, capacity: int, axis: AxisSpec = None,
-              impl: Impl = "auto", chunk: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+              impl: Impl = "auto", chunk: Chunk = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Variable-size all-to-all (``MPI_Alltoallv``) with a fixed-size receive buffer.
 
     Args:
@@ -276,7 +332,10 @@ def alltoallv(x: jax.Array, send_counts: jax.Array, *, capacity: int, axis: Axis
         axis: the mesh axes to exchange over (default: all manual axes).
         impl: ``"auto"`` (``ragged_all_to_all`` on GPU, chunked ``all_to_all`` elsewhere), ``"chunked"`` or
             ``"ragged"``.
-        chunk: rows per rank pair and round of the chunked path (default ``ceil(1.25 * capacity / (8 size))``).
+        chunk: rows per rank pair and round of the chunked path (default ``ceil(1.25 * capacity / (8 size))``),
+            or a tuple of sizes from which each call picks at run time the smallest that moves the largest count
+            in one round (e.g. :func:`chunk_ladder`: one collective for traffic whose size varies; each size
+            compiles a loop of its own).
 
     Returns:
         ``(data, recv_counts, overflow)``: ``data (capacity, ...)`` holds the received rows packed and grouped by
@@ -297,6 +356,7 @@ def alltoallv(x: jax.Array, send_counts: jax.Array, *, capacity: int, axis: Axis
         False
     """
     capacity = _check_capacity(capacity)
+    _check_chunk(chunk)
     axes = resolve_axes(axis)
     x = jnp.asarray(x)
     if x.ndim == 0:
