@@ -150,6 +150,65 @@ def run_cases(mesh: Mesh) -> list[str]:
     return done
 
 
+def _bucket_body(part: Particles, box: float | None) -> tuple:
+    """bucket_sort in the local view, and each input row's global index sent home along the sort's routes."""
+    from shardax.comm._alltoallv import chunk_ladder
+    from shardax.core import rank_info
+    from shardax.particles._zsort import bucket_sort
+    from shardax.spatial._fof_halo import send_grouped
+
+    n = part.pos.shape[0]
+    res, index = bucket_sort(part, box, n, number=True)
+    assert index is not None
+    home = jnp.full((n,), -1, jnp.int32)
+    if rank_info().size > 1:
+        r = res.routes
+        assert r is not None
+        got, _, _ = send_grouped({"index": index}, r.received, capacity=n, perm=r.back, plan=(r.sent, r.largest),
+                                 chunk=chunk_ladder(n))
+        home = home.at[jnp.where(jnp.arange(n) < jnp.sum(r.sent), r.perm, n)].set(got["index"], mode="drop")
+    return res.part, index, home, res.overflow
+
+
+def _bucket_open(part: Particles) -> tuple:
+    return _bucket_body(part, None)
+
+
+def _bucket_periodic(part: Particles) -> tuple:
+    return _bucket_body(part, 1.0)
+
+
+def run_bucket_cases(mesh: Mesh) -> list[str]:
+    """The one-exchange sort of FoF (``bucket_sort``): the same global order as zsort (ties in input order), no
+    row lost, the global input index of every row, and its routes bring a column back to the input rows."""
+    from shardax.core import ALL, smap
+
+    ndev = mesh.devices.size
+    done = []
+    for name, (pos, counts) in cases(np.random.default_rng(0), ndev).items():
+        part = layout(mesh, pos, counts, cap=N)
+        inp = squeeze(part)
+        for box in (None, 1.0):
+            body = _bucket_open if box is None else _bucket_periodic  # named: the same program on every process
+            fn = smap(body, in_specs=(ALL,), out_specs=ALL, mesh=mesh, jit=True)
+            out, index, home, overflow = fn(part)
+            assert not to_host(overflow).any(), name
+            got = squeeze(out)
+            check_sorted(inp, got, box)
+            num = to_host(out.num)
+            assert num.sum() == N, name
+            # Every row numbered by its global input index (here its id), aligned with the sorted rows.
+            index = to_host(index)
+            np.testing.assert_array_equal(np.concatenate([index[r, : num[r]] for r in range(ndev)]), got["ids"])
+            if ndev > 1:
+                home = to_host(home)
+                held = to_host(part.num)
+                np.testing.assert_array_equal(np.concatenate([home[r, : held[r]] for r in range(ndev)]),
+                                              np.arange(N), err_msg=name)
+            done.append(f"bucket/{name}/{box}")
+    return done
+
+
 def check_domain(mesh: Mesh) -> Any:
     """The Domain describes the sorted result: counts, key ranges, boxes and top-level cells."""
     rng = np.random.default_rng(3)
@@ -224,6 +283,10 @@ def test_zsort_single_device_local_view() -> None:
 def test_zsort_matches_numpy(mesh: Mesh) -> None:
     done = run_cases(mesh)
     assert len(done) == 10
+
+
+def test_bucket_sort_matches_numpy(mesh: Mesh) -> None:
+    assert len(run_bucket_cases(mesh)) == 10
 
 
 @pytest.mark.parametrize("shape", [(1,), (8,), (2, 2)], ids=str)
@@ -394,7 +457,7 @@ def test_zsort_bad_input() -> None:
 def multiprocess_body() -> dict:
     mesh = sx.flat_mesh()
     grid = sx.grid_mesh()
-    done = run_cases(grid)
+    done = run_cases(grid) + run_bucket_cases(mesh)
     check_domain(mesh)
     check_overflow(mesh)
     # from_numpy with unequal counts per process, ids in process order, zsort and squeeze across processes
@@ -412,5 +475,5 @@ def multiprocess_body() -> dict:
 def test_zsort_two_processes() -> None:
     results = sx.testing.run_distributed(multiprocess_body, num_processes=2, cpu_devices=4)
     for res in results:
-        assert len(res["done"]) == 10
+        assert len(res["done"]) == 20
         np.testing.assert_array_equal(res["num"], equal_counts(300, 8))

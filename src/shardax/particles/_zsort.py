@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._errors import CapacityError
 from ..comm import allgather, allreduce
-from ..comm._alltoallv import _exchange_counts_and_max, default_chunk
+from ..comm._alltoallv import _exchange_counts_and_max, default_chunk, group_by_rank
 from ..core import ALL, rank_info, smap
 from ..core._rank import resolve_axes
 from ._domain import Domain, domain_of
@@ -83,6 +83,8 @@ def check_capacity(capacity: Any, name: str = "capacity") -> int:
 
 
 _DIRECT_MAX_SPLITTERS = 32
+# How far :func:`bucket_sort` may move a splitter to a coarser cell boundary, as a fraction of a device's share.
+_SNAP = 0.04
 # Ties between equal keys are split by one word ``rank * n + row`` below this many rows in all, else by two.
 _ONE_WORD_TIES = 2**31
 
@@ -110,7 +112,7 @@ def _less(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> jax.Array:
     return out
 
 
-def _splitters(words: tuple[jax.Array, ...], num: jax.Array, stats: jax.Array, size: int
+def _splitters(words: tuple[jax.Array, ...], num: jax.Array, stats: jax.Array, size: int, snap: float = 0.0
                ) -> tuple[tuple[jax.Array, ...], jax.Array]:
     """``size - 1`` splitters (words of ``(key hi, key lo, tie...)``) cutting the global order evenly, and every
     device's ``stats``.
@@ -123,6 +125,10 @@ def _splitters(words: tuple[jax.Array, ...], num: jax.Array, stats: jax.Array, s
     ``stats``: `(k,)` int32 of this device whose first word is ``num``; they travel with the samples (one
     all-gather for both: across processes each collective costs milliseconds of latency whatever its size) and come
     back as `(size, k)`, row ``r`` from device ``r``.
+
+    ``snap``: move each splitter, within ``snap`` of a device's share (by the samples' estimate), to the coarsest
+    cell boundary of the Morton grid there (see :func:`_snapped`): the pieces of space are then unions of large
+    cells, with less surface than an exact split whose boundaries cut thin slivers off the neighbouring cells.
     """
     s = _num_samples(size)
     u = jax.random.uniform(jax.random.fold_in(jax.random.key(0), rank_info().rank), (s,))
@@ -145,7 +151,45 @@ def _splitters(words: tuple[jax.Array, ...], num: jax.Array, stats: jax.Array, s
     total = jnp.sum(per_device[:, 0])
     targets = total.astype(jnp.float32) * jnp.arange(1, size, dtype=jnp.float32) / size
     pick = jnp.clip(jnp.searchsorted(jnp.cumsum(weight), targets, side="left"), 0, s * size - 1)
-    return tuple(w[pick] for w in gathered), per_device
+    picked = tuple(w[pick] for w in gathered)
+    if snap > 0:
+        picked = _snapped(gathered, weight, pick, targets, snap * total.astype(jnp.float32) / size, picked)
+    return picked, per_device
+
+
+_SNAP_SAMPLES = 64  # samples searched on either side of a splitter for a coarser boundary
+
+
+def _snapped(gathered: list[jax.Array], weight: jax.Array, pick: jax.Array, targets: jax.Array,
+             tolerance: jax.Array, picked: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """Splitters moved to the coarsest Morton cell boundary between two consecutive samples near them.
+
+    Between sorted samples ``a < b`` the coarsest boundary is ``b`` with its bits below the highest bit in which
+    ``a`` and ``b`` differ cleared; it splits off every key of that cell. Among the sample gaps within
+    ``_SNAP_SAMPLES`` samples of each splitter whose estimated rank (the weight of the samples before it) lies
+    within ``tolerance`` of the target, the one with the coarsest boundary wins (the nearest on ties). The new
+    splitter is that key with zero tie words (the cell's first key, so the whole cell goes up). Where no gap
+    has a boundary (equal keys), the splitter stays as it was.
+    """
+    hi, lo = gathered[0], gathered[1]
+    total = hi.shape[0]
+    before = jnp.cumsum(weight) - weight  # estimated rows below each sample
+    offsets = jnp.arange(-_SNAP_SAMPLES, _SNAP_SAMPLES + 1, dtype=jnp.int32)
+    at = jnp.clip(pick[:, None] + offsets[None, :], 1, total - 1)  # (splitters, window): the gap below sample ``at``
+    xhi, xlo = hi[at] ^ hi[at - 1], lo[at] ^ lo[at - 1]
+    bits = jnp.where(xhi != 0, 64 - lax.clz(xhi), jnp.where(xlo != 0, 32 - lax.clz(xlo), 0)).astype(jnp.int32)
+    near = jnp.abs(before[at] - targets[:, None]) <= tolerance
+    score = jnp.where(near & (bits > 0), bits * (4 * _SNAP_SAMPLES) - jnp.abs(offsets)[None, :], -1)
+    best = jnp.argmax(score, axis=1)
+    chosen = jnp.take_along_axis(at, best[:, None], axis=1)[:, 0]
+    keep = jnp.max(score, axis=1) < 0
+    clear = jnp.take_along_axis(bits, best[:, None], axis=1)[:, 0] - 1  # bits of the key below the boundary
+    ones = jnp.uint32(0xFFFFFFFF)
+    hi_mask = jnp.where(clear >= 32, ones << jnp.clip(clear - 32, 0, 31).astype(jnp.uint32), ones)
+    hi_mask = jnp.where(clear >= 64, jnp.uint32(0), hi_mask)
+    lo_mask = jnp.where(clear >= 32, jnp.uint32(0), ones << jnp.clip(clear, 0, 31).astype(jnp.uint32))
+    snapped = (hi[chosen] & hi_mask, lo[chosen] & lo_mask, *(jnp.zeros_like(w[chosen]) for w in gathered[2:]))
+    return tuple(jnp.where(keep, p, q) for p, q in zip(picked, snapped, strict=True))
 
 
 def _destinations(words: tuple[jax.Array, ...], splitters: tuple[jax.Array, ...]) -> jax.Array:
@@ -322,6 +366,84 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
         route = Routes(perm, final_send, recv, back, plan[1])
     return Sorted(rows_of.unpack(arrays, num), needed[rank] > cap, needed[rank], nonfinite, kbox, jnp.max(needed),
                   route)
+
+
+def bucket_sort(part: Any, box: Box | None, capacity: int | None, *, number: bool = False,
+                host_sort: bool = True) -> tuple[Sorted, jax.Array | None]:
+    """Sort particles into global z-order with one exchange of the rows (local view, for kernels).
+
+    Like :func:`sort_particles` with ``equalize=False`` and ``routes=True``, but the rows themselves go to the
+    device of their key range, which then keys them again and sorts them: two all-gathers (samples, send counts)
+    and one exchange of the rows, against the keys' way there and back plus a count exchange. The price is memory:
+    the received rows and their sorted copy are held together (about 2x the particle data on top of the input),
+    which kernels with larger working sets of their own (FoF) can afford. The result is the same order as
+    :func:`sort_particles`' (ties in global input order); device counts follow the sample-sort splitters.
+
+    Args:
+        part: particle pytree (``.pos (n, d)``, ``.num``); every row leaf travels.
+        box: periodic box size or ``None`` (as in :func:`sort_particles`).
+        capacity: rows per device of the result (static); default ``n``.
+        number: also return `(capacity,)` int32 the global input index of each held row (the rows of all devices
+            numbered in (device, row) order: the devices' counts travel with the samples, so this costs no scan).
+        host_sort: sort by NumPy on CPU devices (as in :func:`sort_particles`).
+
+    Returns:
+        ``(sorted, index)``: the :class:`Sorted` (with :class:`Routes`) and the index (``None`` unless ``number``).
+    """
+    n, _ = check_positions(part, "zsort")
+    cap = n if capacity is None else check_capacity(capacity)
+    rank, size, _ = rank_info()
+    num = jnp.clip(jnp.asarray(part.num, jnp.int32), 0, n)
+    rows = jnp.arange(n, dtype=jnp.int32)
+    valid = rows < num
+    pos = jnp.asarray(part.pos)
+    kbox = key_box(pos, valid, box)
+    nonfinite = jnp.sum(valid & ~jnp.all(jnp.isfinite(pos), axis=1)).astype(jnp.int32)
+    hi, lo = morton_key(pos, kbox, valid)
+    rows_of = RowLeaves(part, n)
+    arrays = rows_of.arrays()
+    at_pos = next(k for k, i in enumerate(rows_of.rows) if rows_of.leaves[i] is part.pos)
+    if size == 1:
+        perm = argsort_keys(hi, lo, host=host_sort)
+        moved = resize_rows(take_rows([*arrays, rows], perm), cap)
+        moved[at_pos] = wrap(moved[at_pos], kbox)
+        stored = jnp.minimum(num, cap)
+        out = rows_of.unpack(moved[:-1], stored)
+        return Sorted(out, num > cap, num, allreduce(nonfinite), kbox, allreduce(num)), moved[-1] if number else None
+    tie = (rank * n + rows,) if size * n < _ONE_WORD_TIES else (jnp.full_like(rows, rank), rows)
+    words = (hi, lo, *tie)
+    splitters, per_device = _splitters(words, num, jnp.stack([num, nonfinite]), size, snap=_SNAP)
+    # Each row's bucket; the rows are grouped by bucket in row order (a counting sort, not a sort by key): they
+    # arrive grouped by source rank, each source's in row order, so a stable sort by key on arrival puts equal keys
+    # in global input order.
+    bucket = jnp.where(valid, _destinations(words, splitters), size)
+    perm, send = group_by_rank(bucket, size, host=host_sort)
+    matrix = allgather(send)  # (size, size): rows from device i to bucket j, the plan of the exchange
+    from_src = matrix[:, rank]
+    received = jnp.sum(matrix, axis=0)
+    largest = jnp.max(matrix)
+    maps: list[Any] = [None] * len(arrays)
+    if kbox.periodic:
+        maps[at_pos] = lambda p: wrap(p.reshape(-1, p.shape[-1]), kbox).reshape(p.shape)
+    extra = []
+    if number:
+        offset = jnp.sum(jnp.where(jnp.arange(size) < rank, per_device[:, 0], 0))
+        extra = [offset + rows]
+    # A whole share per rank pair and round: balanced traffic takes one round (each round is a collective).
+    moved, _ = send_rows(arrays + extra, send, cap, perm=perm, row_maps=maps + [None] * len(extra),
+                         chunk=max(1, -(-cap // size)), plan=(from_src, largest))
+    stored = jnp.minimum(received[rank], cap)
+    held = jnp.arange(cap, dtype=jnp.int32)
+    khi, klo = morton_key(moved[at_pos], kbox, held < stored)
+    order = argsort_keys(khi, klo, host=host_sort)  # ties in arrival order; padding (invalid keys) last
+    moved = take_rows(moved, order)
+    # The held rows by arrival (grouped by sender, each sender's in the order it sent them): the reverse routes.
+    back = jnp.zeros((cap,), jnp.int32).at[order].set(held, unique_indices=True)
+    route = Routes(perm, send, from_src, back, largest)
+    out = rows_of.unpack(moved[:len(arrays)], stored)
+    index = moved[-1] if number else None
+    return Sorted(out, received[rank] > cap, received[rank], jnp.sum(per_device[:, 1]), kbox, jnp.max(received),
+                  route), index
 
 
 @overload
