@@ -20,11 +20,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .._errors import CapacityError
-from ..comm import allgather, scan
+from ..comm import allgather
 from ..core import ALL, rank_info, smap
 from ..particles._morton import given_box_values
 from ..particles._particles import check_count, check_positions
-from ..particles._zsort import sort_particles
+from ..particles._zsort import bucket_sort
 from ._catalogue import Catalogue, Partial, finish, partial_sums
 from ._fof_halo import (
     INT_MAX,
@@ -74,7 +74,7 @@ class _Rows(NamedTuple):
 
     pos: jax.Array
     num: jax.Array
-    ids: jax.Array
+    ids: jax.Array | None  # None while the sort numbers the rows
     mass: jax.Array | None
     vel: jax.Array | None
 
@@ -191,31 +191,37 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
     vel = None if vel is None else jnp.asarray(vel, dtype)
     ids = getattr(part, "ids", None)
     own_ids = ids is None
-    ids = (scan(num, inclusive=False) if size > 1 else 0) + rows if own_ids else jnp.asarray(ids, jnp.int32)
+    # Without ids, rows are numbered in global (device, row) order: by the sort on several devices (the devices'
+    # counts travel with its samples, no scan).
+    ids = None if own_ids and size > 1 else rows if own_ids else jnp.asarray(ids, jnp.int32)
     carry = _Rows(pos, num, ids, mass, vel)
 
     rows_needed = num
     overflow = jnp.zeros((), bool)
     routes = None
     if size > 1:
-        result = sort_particles(carry, box, True, n, chunk_factor=8, routes=True, host_sort=True)
+        result, index = bucket_sort(carry, box, n, number=own_ids, host_sort=True)
         carry, routes = result.part, result.routes
+        if index is not None:
+            carry = carry._replace(ids=index)
         rows_needed, overflow = result.needed, result.overflow
         pieces = piece_cells(carry.pos, carry.num, result.key_box.origin.astype(dtype),
                              result.key_box.extent.astype(dtype), 64)
     elif boxv is not None:
         carry = carry._replace(pos=carry.pos - boxv[None, :] * jnp.floor(carry.pos / boxv[None, :]))
     num = carry.num
+    ids = carry.ids
+    assert ids is not None
     own_valid = rows < num
     mass = jnp.ones((n,), dtype) if carry.mass is None else carry.mass
     vel = jnp.zeros((n, dim), dtype) if carry.vel is None else carry.vel
 
     # Own rows, then ghosts from the other devices.
     if size > 1:
-        halo = exchange_ghosts(carry.pos, carry.ids, pieces, ll, boxv, rank, size, hc)
+        halo = exchange_ghosts(carry.pos, ids, pieces, ll, boxv, rank, size, hc)
         ghost_valid = jnp.arange(hc, dtype=jnp.int32) < halo.num
         pos_all = jnp.concatenate([carry.pos, halo.pos])
-        ids_all = jnp.concatenate([carry.ids, halo.ids])
+        ids_all = jnp.concatenate([ids, halo.ids])
         valid_all = jnp.concatenate([own_valid, ghost_valid])
         lower, upper = pieces.lower[rank], pieces.upper[rank]
         occupied = pieces.count[rank] > 0
@@ -228,7 +234,7 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
         else:
             space, grid_pos = whole_space(pos_all, valid_all, None), pos_all
     else:
-        pos_all, ids_all, valid_all, volume = carry.pos, carry.ids, own_valid, None
+        pos_all, ids_all, valid_all, volume = carry.pos, ids, own_valid, None
         space, grid_pos = whole_space(pos_all, valid_all, boxv), pos_all
     big = total_rows
     count_all = jnp.sum(valid_all, dtype=jnp.int32)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..comm import allgather, allreduce
-from ..comm._alltoallv import _exchange_counts_and_max, alltoallv_many, group_by_rank
+from ..comm._alltoallv import Chunk, _exchange_counts_and_max, alltoallv_many, chunk_ladder, group_by_rank
 from ..core._rank import resolve_axes
 from ..core._vary import vary_like
 from ..particles._sort import sort_words
@@ -66,24 +66,26 @@ class Halo(NamedTuple):
 def share_chunk(capacity: int, size: int) -> int:
     """Rows per rank pair and round when a whole ``capacity / size`` share travels in one round.
 
-    For the exchanges of boundary rows (ghosts and their labels), whose traffic goes to a few neighbouring devices,
-    and for the labels home, spread evenly over all: ``alltoallv``'s default chunk (an eighth of the share, sized for
-    the memory of a sort) would take many rounds, each one collective (milliseconds of latency across processes).
-    With a whole share, even traffic takes one round, neighbour traffic one or two (at most ``size``); a round's
-    buffers, ``size * chunk`` rows of a few words, stay about the size of the ``capacity`` receive buffer.
+    For the labels home, spread evenly over all devices: ``alltoallv``'s default chunk (an eighth of the share,
+    sized for the memory of a sort) would take many rounds, each one collective (milliseconds of latency across
+    processes). With a whole share, even traffic takes one round; a round's buffers, ``size * chunk`` rows, stay
+    about the size of the ``capacity`` receive buffer. (The boundary exchanges, whose traffic goes to a few
+    neighbouring devices in amounts that depend on the data, pick their size from a
+    :func:`~shardax.comm.chunk_ladder` instead: one round of a whole share could take ``size`` rounds there.)
     """
     return max(1, -(-capacity // size))
 
 
 def send_grouped(columns: dict[str, jax.Array], counts: jax.Array, *, capacity: int,
                  perm: jax.Array | None = None, plan: tuple[jax.Array, jax.Array] | None = None,
-                 chunk: int | None = None) -> tuple[dict[str, jax.Array], jax.Array, jax.Array]:
+                 chunk: Chunk = None) -> tuple[dict[str, jax.Array], jax.Array, jax.Array]:
     """Send rows already grouped by destination rank (``counts (size,)`` rows for each rank, in rank order; or
     row ``perm[i]`` as the ``i``-th) to their ranks.
 
     One ``alltoallv`` for all columns (it packs the 4- and 8-byte ones into one block per round). ``plan``:
     ``(recv_counts, largest)`` when the route is known (no count exchange). ``chunk``: rows per rank pair and round
-    (default ``alltoallv``'s, sized for a sort's memory; :func:`share_chunk` for one round of a whole share).
+    (default ``alltoallv``'s, sized for a sort's memory; :func:`share_chunk` for one round of a whole share; a
+    :func:`~shardax.comm._alltoallv.chunk_ladder` for one round of boundary traffic, whatever its size).
     Returns ``(columns, recv_counts, overflow)``: ``capacity`` rows grouped by source rank, each source's rows in
     the order they were sent.
     """
@@ -95,17 +97,20 @@ def send_grouped(columns: dict[str, jax.Array], counts: jax.Array, *, capacity: 
 
 
 def exchange_columns(columns: dict[str, jax.Array], dest: jax.Array, *, num: jax.Array, size: int,
-                     capacity: int, chunk: int | None = None
-                     ) -> tuple[dict[str, jax.Array], jax.Array, jax.Array, jax.Array]:
+                     capacity: int, chunk: Chunk = None
+                     ) -> tuple[dict[str, jax.Array], jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
     """Send each of the first ``num`` rows of the columns to rank ``dest[i]``.
 
-    Returns ``(columns, recv_counts, overflow, perm)``: as :func:`send_grouped`, and the order the rows were sent
-    in (what comes back along the reverse route, ``send_grouped(..., recv_counts)``, lines up with ``perm``).
+    Returns ``(columns, recv_counts, overflow, perm, back_plan)``: as :func:`send_grouped`, the order the rows were
+    sent in, and the plan of the reverse route: what comes back along it, ``send_grouped(..., recv_counts,
+    plan=back_plan)`` (no count exchange), lines up with ``perm``.
     """
     rows = jnp.arange(dest.shape[0], dtype=jnp.int32)
     perm, counts = group_by_rank(jnp.where(rows < num, dest, size), size, host=True)
-    out, recv_counts, overflow = send_grouped(columns, counts, capacity=capacity, perm=perm, chunk=chunk)
-    return out, recv_counts, overflow, perm
+    recv_counts, largest = _exchange_counts_and_max(counts, resolve_axes(None))
+    out, _, overflow = send_grouped(columns, counts, capacity=capacity, perm=perm, plan=(recv_counts, largest),
+                                    chunk=chunk)
+    return out, recv_counts, overflow, perm, (counts, largest)
 
 
 def piece_cells(pos: jax.Array, num: jax.Array, origin: jax.Array, extent: jax.Array,
@@ -222,7 +227,7 @@ def exchange_ghosts(pos: jax.Array, ids: jax.Array, pieces: Pieces, linking_leng
     # The routes' plan is kept: the label exchanges travel the same routes (either way) with no count exchange.
     recv_counts, largest = _exchange_counts_and_max(send_counts, resolve_axes(None))
     got, _, overflow = send_grouped({"pos": pos[send_row], "ids": ids[send_row]}, send_counts, capacity=capacity,
-                                    plan=(recv_counts, largest), chunk=share_chunk(capacity, size))
+                                    plan=(recv_counts, largest), chunk=chunk_ladder(capacity))
     received = jnp.sum(recv_counts)
     return Halo(send_row, send_dest, jnp.minimum(send_num, capacity), send_counts, got["pos"], got["ids"],
                 jnp.minimum(received, capacity), recv_counts, largest, jnp.maximum(send_num, received),
@@ -243,7 +248,7 @@ def merge_labels(labels: jax.Array, component: jax.Array, halo: Halo, n: int, ca
     """
     ghost_valid = jnp.arange(capacity, dtype=jnp.int32) < halo.num
     sent = jnp.arange(capacity, dtype=jnp.int32) < halo.send_num
-    chunk = share_chunk(capacity, halo.send_counts.shape[0])
+    chunk = chunk_ladder(capacity)
 
     def step(state: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         labels, _ = state
@@ -286,8 +291,9 @@ def boundary_totals(parts: Partial, label: jax.Array, boundary: jax.Array, rank:
     (sel,) = jnp.nonzero(boundary, size=capacity, fill_value=0)
     sel = sel.astype(jnp.int32)
     tree = {"label": label[sel], **{f"p_{k}": v[sel] for k, v in parts._asdict().items()}}
-    got, recv_counts, overflow, perm = exchange_columns(tree, label[sel] % size, num=jnp.minimum(send_num, capacity),
-                                                        size=size, capacity=capacity)
+    got, recv_counts, overflow, perm, back_plan = exchange_columns(
+        tree, label[sel] % size, num=jnp.minimum(send_num, capacity), size=size, capacity=capacity,
+        chunk=chunk_ladder(capacity))
     received = jnp.sum(recv_counts)
     got_num = jnp.minimum(received, capacity)
     valid = jnp.arange(capacity, dtype=jnp.int32) < got_num
@@ -301,7 +307,8 @@ def boundary_totals(parts: Partial, label: jax.Array, boundary: jax.Array, rank:
     home_label = jnp.full((capacity,), INT_MAX, jnp.int32).at[segment].min(sorted_label)
     # Totals back to the senders of the pieces along the reverse route: they arrive in the order sent (``perm``).
     total = jnp.zeros((capacity,), jnp.int32).at[order].set(home.count[segment])
-    back, _, back_overflow = send_grouped({"count": total}, recv_counts, capacity=capacity)
+    back, _, back_overflow = send_grouped({"count": total}, recv_counts, capacity=capacity, plan=back_plan,
+                                          chunk=chunk_ladder(capacity))
     live = jnp.arange(capacity, dtype=jnp.int32) < jnp.minimum(send_num, capacity)
     count = jnp.zeros((big,), jnp.int32).at[jnp.where(live, sel[perm], big)].set(back["count"], mode="drop")
     needed = jnp.maximum(send_num, received)
