@@ -254,6 +254,23 @@ def test_halo_capacity_overflow_then_retry_on_eight_devices() -> None:
     np.testing.assert_array_equal(got, want)
 
 
+def test_full_rows_and_sort_capacity_on_eight_devices() -> None:
+    """Particles filling every row (capacity_factor 1): the sort's pieces differ from the share by a few percent, so
+    fof.smap grows its rows after the sort by itself and the labels stay exact; a sort_capacity passed too small
+    raises naming it."""
+    mesh = make_mesh((8,))
+    pos = np.random.default_rng(8).random((8000, 3)).astype(np.float32)
+    part = sx.particles.from_numpy(pos, mesh=mesh, capacity_factor=1.0)
+    assert part.pos.shape[1] == 1000
+    res = fof.smap(mesh)(part, 0.05, box=1.0, min_members=2)
+    want = reference_labels(pos, 0.05, 1.0, 2)
+    got = labels_by_input_index(np.asarray(res.labels), np.asarray(part.ids), np.asarray(part.num), len(pos))
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(sx.CapacityError, match="sort_capacity") as err:
+        fof.smap(mesh)(part, 0.05, box=1.0, min_members=2, sort_capacity=900)
+    assert err.value.argument == "sort_capacity" and err.value.needed > 900 and err.value.available == 900
+
+
 def test_unset_buffers_grow_and_are_remembered_on_eight_devices(monkeypatch) -> None:
     """With ``halo_capacity`` unset, a device needing more ghost rows than the starting 1024 makes ``fof.smap`` run
     again with a larger buffer (exact labels, no error); the next call starts from the grown size (no further

@@ -404,7 +404,7 @@ def test_fof_smap_fuzz(case, fault, pick):
         res = expect(lambda: fof.smap(mesh4())(part, ll, box=box, min_members=min_members), names)
     except sx.CapacityError as err:
         event("valid: honest CapacityError")
-        assert err.argument in ("edge_capacity", "halo_capacity", "max_groups", "capacity") and err.needed
+        assert err.argument in ("edge_capacity", "halo_capacity", "max_groups", "sort_capacity") and err.needed
         return
     if res is None:
         return

@@ -139,7 +139,8 @@ def _fof_with_retry(part: Any, linking_length: float, box: tuple[float, ...], mi
         try:
             return fof.smap()(part, linking_length, box=box, min_members=min_members, **options)
         except CapacityError as err:
-            if err.argument not in ("edge_capacity", "halo_capacity", "max_groups") or err.needed is None:
+            if err.argument not in ("edge_capacity", "halo_capacity", "max_groups", "sort_capacity") or \
+                    err.needed is None:
                 raise
             options[err.argument] = max(int(err.needed), 2 * options.get(err.argument, 0))
     return fof.smap()(part, linking_length, box=box, min_members=min_members, **options)

@@ -47,7 +47,7 @@ from ._fof_local import (
     whole_space,
 )
 
-_CAPACITIES = ("edge_capacity", "halo_capacity", "max_groups", "capacity")
+_CAPACITIES = ("edge_capacity", "halo_capacity", "max_groups", "sort_capacity")
 
 
 class FofResult(NamedTuple):
@@ -59,8 +59,8 @@ class FofResult(NamedTuple):
         catalogue: the :class:`Catalogue` of the groups with at least ``min_members`` members.
         overflow: bool, true when a buffer was too small (results incomplete; the global wrapper raises
             :class:`shardax.CapacityError` instead).
-        needed: `(4,)` int32 rows needed by ``edge_capacity``, ``halo_capacity``, ``max_groups`` and the particle
-            capacity, on this device.
+        needed: `(4,)` int32 rows needed by ``edge_capacity``, ``halo_capacity``, ``max_groups`` and
+            ``sort_capacity``, on this device.
     """
 
     labels: jax.Array
@@ -129,7 +129,7 @@ def _check_linking_length(linking_length: Any, box: Any, dtype: Any) -> jax.Arra
 
 def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_members: int = 20,
         max_groups: int | None = None, edge_capacity: int | None = None, halo_capacity: int | None = None,
-        tuning: Tuning = DEFAULT_TUNING) -> FofResult:
+        sort_capacity: int | None = None, tuning: Tuning = DEFAULT_TUNING) -> FofResult:
     """Friends-of-friends groups of a particle set (local view; ``fof.smap()`` for global arrays).
 
     Two particles closer than (or exactly at) ``linking_length`` are friends; groups are the transitive closure.
@@ -141,10 +141,14 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
         linking_length: absolute linking length (positive; at most half the periodic box).
         box: periodic box size (scalar or per axis), or None for open boundaries.
         min_members: smallest group that gets a label and a catalogue row.
-        max_groups: catalogue rows per device (static); default ``(n + halo_capacity) // min_members + 16``.
-        edge_capacity: pairs per device the linking may hold (static); default ``8 (n + halo_capacity) + 4096``.
+        max_groups: catalogue rows per device (static); default ``(m + halo_capacity) // min_members + 16``, ``m``
+            the rows after the sort (``sort_capacity``).
+        edge_capacity: pairs per device the linking may hold (static); default ``8 (m + halo_capacity) + 4096``.
         halo_capacity: boundary particles per device sent and received (static, ignored on one device);
             default ``max(n // 4, 1024)``.
+        sort_capacity: rows per device after the spatial sort (static, ignored on one device); default ``n``. The
+            sort's pieces of space hold a device's share within a few percent (its splitters come from samples
+            and sit on coarse cell boundaries), so particles filling their rows to the last need a few more.
         tuning: static sizes of the pair search.
 
     Returns:
@@ -175,8 +179,9 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
     ll = _check_linking_length(linking_length, box, dtype)
     rank, size, _ = rank_info()
     hc = 0 if size == 1 else (_positive_int(halo_capacity, "halo_capacity", allow_none=True) or max(n // 4, 1024))
-    total_rows = n + hc
-    available = _available(n, _positive_int(max_groups, "max_groups", allow_none=True),
+    m = n if size == 1 else (_positive_int(sort_capacity, "sort_capacity", allow_none=True) or n)  # held rows
+    total_rows = m + hc
+    available = _available(m, _positive_int(max_groups, "max_groups", allow_none=True),
                            _positive_int(edge_capacity, "edge_capacity", allow_none=True), hc, min_members)
     edge_cap, _, group_cap, _ = available
 
@@ -200,7 +205,7 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
     overflow = jnp.zeros((), bool)
     routes = None
     if size > 1:
-        result, index = bucket_sort(carry, box, n, number=own_ids, host_sort=True)
+        result, index = bucket_sort(carry, box, m, number=own_ids, host_sort=True)
         carry, routes = result.part, result.routes
         if index is not None:
             carry = carry._replace(ids=index)
@@ -212,9 +217,9 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
     num = carry.num
     ids = carry.ids
     assert ids is not None
-    own_valid = rows < num
-    mass = jnp.ones((n,), dtype) if carry.mass is None else carry.mass
-    vel = jnp.zeros((n, dim), dtype) if carry.vel is None else carry.vel
+    own_valid = jnp.arange(m, dtype=jnp.int32) < num
+    mass = jnp.ones((m,), dtype) if carry.mass is None else carry.mass
+    vel = jnp.zeros((m, dim), dtype) if carry.vel is None else carry.vel
 
     # Own rows, then ghosts from the other devices.
     if size > 1:
@@ -248,7 +253,7 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
 
     halo_needed = jnp.int32(0)
     if size > 1:
-        labels = merge_labels(labels, component, halo, n, hc)
+        labels = merge_labels(labels, component, halo, m, hc)
         halo_needed = halo.needed
         overflow = overflow | halo.overflow
 
@@ -258,7 +263,7 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
     vel_all = jnp.concatenate([vel, jnp.zeros((hc, dim), dtype)])
     parts = partial_sums(pos_all, mass_all, vel_all, component, own_rows, big, boxv)
     if size > 1:
-        has_ghost = jax.ops.segment_max(jnp.concatenate([jnp.zeros((n,), jnp.int32), ghost_valid.astype(jnp.int32)]),
+        has_ghost = jax.ops.segment_max(jnp.concatenate([jnp.zeros((m,), jnp.int32), ghost_valid.astype(jnp.int32)]),
                                         component, big) > 0
         boundary = has_ghost & (parts.count > 0)
         totals, home, home_label, home_first, piece_needed, piece_overflow = boundary_totals(
@@ -276,8 +281,8 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
         keep = parts.count >= min_members
     catalogue, groups_needed = finish(cat_parts, cat_label, keep, group_cap, boxv)
 
-    member = own_valid & (group_count[component[:n]] >= min_members)
-    own_label = jnp.where(member, labels[:n], -1)
+    member = own_valid & (group_count[component[:m]] >= min_members)
+    own_label = jnp.where(member, labels[:m], -1)
     if size > 1:
         # Labels home along the reverse routes of the sort: regrouped by sender (no sort), they arrive packed by
         # device in the order the rows left, i.e. ``routes.perm``.
@@ -327,9 +332,10 @@ def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., 
     cache: dict[tuple, Callable[..., Any]] = {}
     grown: dict[tuple, dict[str, int]] = {}
 
-    def compiled(treedef: Any, options: tuple, sizes: tuple[int | None, int | None, int]) -> Callable[..., Any]:
+    def compiled(treedef: Any, options: tuple, sizes: tuple[int | None, int | None, int, int | None]
+                 ) -> Callable[..., Any]:
         linking_length, static_box, min_members, tuning = options
-        max_groups, edge_capacity, halo_capacity = sizes
+        max_groups, edge_capacity, halo_capacity, sort_capacity = sizes
         key = (treedef, *options, *sizes)
         fn = cache.get(key)
         if fn is None:
@@ -339,7 +345,8 @@ def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., 
                 valid = jnp.arange(n) < local.num
                 bad = jnp.sum(valid & ~jnp.all(jnp.isfinite(local.pos), axis=1)).astype(jnp.int32)
                 res = fof(local, linking_length, box=static_box, min_members=min_members, max_groups=max_groups,
-                          edge_capacity=edge_capacity, halo_capacity=halo_capacity, tuning=tuning)
+                          edge_capacity=edge_capacity, halo_capacity=halo_capacity, sort_capacity=sort_capacity,
+                          tuning=tuning)
                 # One all-gather for the three flags (across processes each collective costs milliseconds).
                 every = allgather(jnp.concatenate([res.overflow.astype(jnp.int32)[None], res.needed, bad[None]]))
                 worst = jnp.max(every[:, :-1], axis=0)
@@ -351,7 +358,7 @@ def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., 
 
     def call(part: Any, linking_length: float, *, box: Any = None, min_members: int = 20,
              max_groups: int | None = None, edge_capacity: int | None = None, halo_capacity: int | None = None,
-             tuning: Tuning = DEFAULT_TUNING) -> FofResult:
+             sort_capacity: int | None = None, tuning: Tuning = DEFAULT_TUNING) -> FofResult:
         if getattr(part, "pos", None) is None or not hasattr(part, "num") or jnp.ndim(part.pos) != 3:
             raise ValueError("fof.smap: part must be a global particle pytree with pos of shape (ndev, n, d) "
                              "(e.g. from shardax.particles.from_numpy); call fof() for the local view")
@@ -362,16 +369,18 @@ def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., 
         if jnp.issubdtype(jnp.result_type(part.pos), jnp.floating):
             _box_vector(box, int(jnp.shape(part.pos)[-1]), jnp.result_type(part.pos))
         for name, value in (("max_groups", max_groups), ("edge_capacity", edge_capacity),
-                            ("halo_capacity", halo_capacity)):
+                            ("halo_capacity", halo_capacity), ("sort_capacity", sort_capacity)):
             _positive_int(value, name, allow_none=True)
         static_box = None if box is None else (float(box) if np.ndim(box) == 0 else tuple(np.asarray(box).tolist()))
         options = (float(linking_length), static_box, min_members, tuning)
         leaves, treedef = jax.tree.flatten(part)
-        given = {"max_groups": max_groups, "edge_capacity": edge_capacity, "halo_capacity": halo_capacity}
+        given = {"max_groups": max_groups, "edge_capacity": edge_capacity, "halo_capacity": halo_capacity,
+                 "sort_capacity": sort_capacity}
         auto = grown.setdefault((treedef, n, *options, *given.values()), {})
         for _ in range(_AUTO_ROUNDS):
             hc = halo_capacity or auto.get("halo_capacity") or max(n // _AUTO_HALO_FRACTION, 1024)
-            sizes = (max_groups or auto.get("max_groups"), edge_capacity or auto.get("edge_capacity"), hc)
+            sizes = (max_groups or auto.get("max_groups"), edge_capacity or auto.get("edge_capacity"), hc,
+                     sort_capacity or auto.get("sort_capacity"))
             res, (any_overflow, needed, bad) = compiled(treedef, options, sizes)(leaves)
             if isinstance(any_overflow, Tracer):
                 return res
@@ -381,37 +390,38 @@ def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., 
             if not int(any_overflow):
                 return res
             need = np.asarray(needed).tolist()
-            have = _available(n, sizes[0], sizes[1], hc if ndev > 1 else 0, min_members)
+            held = (sizes[3] or n) if ndev > 1 else n
+            have = _available(held, sizes[0], sizes[1], hc if ndev > 1 else 0, min_members)
             short = {name: k + k // 4 + 1 for name, k, h in zip(_CAPACITIES, need, have, strict=True) if k > h}
             if not short and ndev > 1:  # an exchange overflowed without a count over its buffer: the ghosts'
                 short = {"halo_capacity": 2 * hc}
-            if not short or any(given.get(name) is not None or name == "capacity" for name in short):
+            if not short or any(given.get(name) is not None for name in short):
                 break
             auto.update(short)
-        _raise_capacity(np.asarray(needed), n, sizes[0], sizes[1], hc if ndev > 1 else 0, min_members)
+        _raise_capacity(np.asarray(needed), held, sizes[0], sizes[1], hc if ndev > 1 else 0, min_members)
 
     _CONSTRUCTED[(mesh, jit)] = call
     return call
 
 
-def _available(n: int, max_groups: int | None, edge_capacity: int | None, halo_capacity: int,
+def _available(m: int, max_groups: int | None, edge_capacity: int | None, halo_capacity: int,
                min_members: int) -> list[int]:
-    """The sizes of the four buffers of ``FofResult.needed`` (edges, halo rows, catalogue rows, particle rows), the
-    defaults of those left ``None`` resolved (on one device the halo is 0)."""
-    return [edge_capacity or 8 * (n + halo_capacity) + 4096, halo_capacity,
-            max_groups or (n + halo_capacity) // min_members + 16, n]
+    """The sizes of the four buffers of ``FofResult.needed`` (edges, halo rows, catalogue rows, rows after the
+    sort), the defaults of those left ``None`` resolved, for ``m`` rows per device after the sort (on one device
+    the particle rows, and the halo is 0)."""
+    return [edge_capacity or 8 * (m + halo_capacity) + 4096, halo_capacity,
+            max_groups or (m + halo_capacity) // min_members + 16, m]
 
 
-def _raise_capacity(needed: np.ndarray, n: int, max_groups: int | None, edge_capacity: int | None,
+def _raise_capacity(needed: np.ndarray, m: int, max_groups: int | None, edge_capacity: int | None,
                     halo_capacity: int, min_members: int) -> NoReturn:
-    available = _available(n, max_groups, edge_capacity, halo_capacity, min_members)
-    # The particle rows first: when a device overflows them, the other counts are of incomplete data.
+    available = _available(m, max_groups, edge_capacity, halo_capacity, min_members)
+    # The sorted rows first: when a device overflows them, the other counts are of incomplete data.
     for name, need, have in sorted(zip(_CAPACITIES, needed.tolist(), available, strict=True),
-                                   key=lambda item: item[0] != "capacity"):
+                                   key=lambda item: item[0] != "sort_capacity"):
         if need > have:
-            fix = (f"pass {name}={need + need // 4 + 1}" if name != "capacity" else
-                   "give the particles more rows per device (capacity_factor of from_numpy)")
-            raise CapacityError(f"fof: a device needed {need} rows of {name} but has {have}; {fix}",
+            raise CapacityError(f"fof: a device needed {need} rows of {name} but has {have}; pass "
+                                f"{name}={need + need // 4 + 1}",
                                 needed=need + need // 4 + 1, available=have, argument=name)
     raise CapacityError("fof: an exchange between devices overflowed; raise halo_capacity",
                         needed=2 * max(halo_capacity, 1), available=halo_capacity, argument="halo_capacity")
