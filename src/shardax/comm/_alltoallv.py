@@ -204,7 +204,7 @@ def _chunk_sizes(chunk: Chunk, capacity: int, size: int) -> tuple[int, ...]:
     if chunk is None:
         return (default_chunk(capacity, size),)
     if isinstance(chunk, int):
-        return (chunk,)
+        return (max(1, chunk),)
     sizes = tuple(sorted({max(1, min(int(c), capacity)) for c in chunk}))
     if not sizes:
         raise ValueError("chunk: an empty ladder of chunk sizes")

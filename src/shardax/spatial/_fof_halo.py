@@ -70,10 +70,23 @@ def share_chunk(capacity: int, size: int) -> int:
     sized for the memory of a sort) would take many rounds, each one collective (milliseconds of latency across
     processes). With a whole share, even traffic takes one round; a round's buffers, ``size * chunk`` rows, stay
     about the size of the ``capacity`` receive buffer. (The boundary exchanges, whose traffic goes to a few
-    neighbouring devices in amounts that depend on the data, pick their size from a
-    :func:`~shardax.comm.chunk_ladder` instead: one round of a whole share could take ``size`` rounds there.)
+    neighbouring devices in amounts that depend on the data, pick their size from :func:`boundary_chunks`
+    instead: one round of a whole share could take ``size`` rounds there.)
     """
     return max(1, -(-capacity // size))
+
+
+def boundary_chunks(capacity: int, size: int) -> tuple[int, ...]:
+    """Round sizes (a :func:`~shardax.comm.chunk_ladder`) for the exchanges of boundary rows: ghosts, their labels
+    and the pieces of groups that cross devices.
+
+    Their traffic goes to a few neighbouring devices in amounts that depend on the data, so each exchange picks the
+    smallest size that moves its largest count in one round (each round is a collective: milliseconds across
+    processes). The largest size is ``2 * capacity / size`` rows per device pair (all of ``capacity`` on two
+    devices), so that a round's buffers stay within about twice the ``capacity`` receive buffer on any number of
+    devices; a device sending more than that to one neighbour takes a few rounds.
+    """
+    return chunk_ladder(min(capacity, max(1, -(-2 * capacity // size))))
 
 
 def send_grouped(columns: dict[str, jax.Array], counts: jax.Array, *, capacity: int,
@@ -85,7 +98,7 @@ def send_grouped(columns: dict[str, jax.Array], counts: jax.Array, *, capacity: 
     One ``alltoallv`` for all columns (it packs the 4- and 8-byte ones into one block per round). ``plan``:
     ``(recv_counts, largest)`` when the route is known (no count exchange). ``chunk``: rows per rank pair and round
     (default ``alltoallv``'s, sized for a sort's memory; :func:`share_chunk` for one round of a whole share; a
-    :func:`~shardax.comm._alltoallv.chunk_ladder` for one round of boundary traffic, whatever its size).
+    :func:`boundary_chunks` ladder for one round of boundary traffic, whatever its size).
     Returns ``(columns, recv_counts, overflow)``: ``capacity`` rows grouped by source rank, each source's rows in
     the order they were sent.
     """
@@ -227,7 +240,7 @@ def exchange_ghosts(pos: jax.Array, ids: jax.Array, pieces: Pieces, linking_leng
     # The routes' plan is kept: the label exchanges travel the same routes (either way) with no count exchange.
     recv_counts, largest = _exchange_counts_and_max(send_counts, resolve_axes(None))
     got, _, overflow = send_grouped({"pos": pos[send_row], "ids": ids[send_row]}, send_counts, capacity=capacity,
-                                    plan=(recv_counts, largest), chunk=chunk_ladder(capacity))
+                                    plan=(recv_counts, largest), chunk=boundary_chunks(capacity, size))
     received = jnp.sum(recv_counts)
     return Halo(send_row, send_dest, jnp.minimum(send_num, capacity), send_counts, got["pos"], got["ids"],
                 jnp.minimum(received, capacity), recv_counts, largest, jnp.maximum(send_num, received),
@@ -248,7 +261,7 @@ def merge_labels(labels: jax.Array, component: jax.Array, halo: Halo, n: int, ca
     """
     ghost_valid = jnp.arange(capacity, dtype=jnp.int32) < halo.num
     sent = jnp.arange(capacity, dtype=jnp.int32) < halo.send_num
-    chunk = chunk_ladder(capacity)
+    chunk = boundary_chunks(capacity, halo.send_counts.shape[0])
 
     def step(state: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         labels, _ = state
@@ -293,7 +306,7 @@ def boundary_totals(parts: Partial, label: jax.Array, boundary: jax.Array, rank:
     tree = {"label": label[sel], **{f"p_{k}": v[sel] for k, v in parts._asdict().items()}}
     got, recv_counts, overflow, perm, back_plan = exchange_columns(
         tree, label[sel] % size, num=jnp.minimum(send_num, capacity), size=size, capacity=capacity,
-        chunk=chunk_ladder(capacity))
+        chunk=boundary_chunks(capacity, size))
     received = jnp.sum(recv_counts)
     got_num = jnp.minimum(received, capacity)
     valid = jnp.arange(capacity, dtype=jnp.int32) < got_num
@@ -308,7 +321,7 @@ def boundary_totals(parts: Partial, label: jax.Array, boundary: jax.Array, rank:
     # Totals back to the senders of the pieces along the reverse route: they arrive in the order sent (``perm``).
     total = jnp.zeros((capacity,), jnp.int32).at[order].set(home.count[segment])
     back, _, back_overflow = send_grouped({"count": total}, recv_counts, capacity=capacity, plan=back_plan,
-                                          chunk=chunk_ladder(capacity))
+                                          chunk=boundary_chunks(capacity, size))
     live = jnp.arange(capacity, dtype=jnp.int32) < jnp.minimum(send_num, capacity)
     count = jnp.zeros((big,), jnp.int32).at[jnp.where(live, sel[perm], big)].set(back["count"], mode="drop")
     needed = jnp.maximum(send_num, received)
