@@ -388,7 +388,8 @@ def bucket_sort(part: Any, box: Box | None, capacity: int | None, *, number: boo
         host_sort: sort by NumPy on CPU devices (as in :func:`sort_particles`).
 
     Returns:
-        ``(sorted, index)``: the :class:`Sorted` (with :class:`Routes`) and the index (``None`` unless ``number``).
+        ``(sorted, index)``: the :class:`Sorted` (with :class:`Routes` on several devices; ``None`` on one, where
+        nothing moves) and the index (``None`` unless ``number``).
     """
     n, _ = check_positions(part, "zsort")
     cap = n if capacity is None else check_capacity(capacity)

@@ -318,12 +318,12 @@ def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., 
     new value recompiles) and returns a :class:`FofResult` in the global view (``labels (ndev, n)``, catalogue
     fields ``(ndev, g, ...)``).
 
-    Buffers left unset are sized automatically: ``halo_capacity`` starts at ``max(n // 16, 1024)`` rows, and when a
-    device needs more of any unset buffer (``edge_capacity``, ``halo_capacity``, ``max_groups``) the call runs again
-    with a quarter more than it needed, and later calls with the same arguments start from the grown sizes (each new
-    size compiles once). A buffer given explicitly is never changed: its overflow raises
-    :class:`shardax.CapacityError` naming it and the size needed, as does a device holding more particles than its
-    rows. ``ValueError`` for NaN or infinite positions. Constructors are cached per ``(mesh, jit)``, so calling
+    Buffers left unset are sized automatically: ``halo_capacity`` starts at ``max(n // 16, 1024)`` rows and
+    ``sort_capacity`` at ``n``, and when a device needs more of any unset buffer (``edge_capacity``,
+    ``halo_capacity``, ``max_groups``, ``sort_capacity``) the call runs again with a quarter more than it needed, and
+    later calls with the same arguments start from the grown sizes (each new size compiles once). A buffer given
+    explicitly is never changed: its overflow raises :class:`shardax.CapacityError` naming it and the size needed.
+    ``ValueError`` for NaN or infinite positions. Constructors are cached per ``(mesh, jit)``, so calling
     ``fof.smap(mesh)(...)`` repeatedly compiles once per argument structure.
     """
     constructed = _CONSTRUCTED.get((mesh, jit))
