@@ -85,6 +85,19 @@ def default_chunk(capacity: int, size: int) -> int:
     return max(1, -(-5 * capacity // (32 * size)))
 
 
+def share_chunk(capacity: int, size: int) -> int:
+    """Rows per rank pair and round when a whole ``capacity / size`` share travels in one round.
+
+    For traffic spread evenly over all ranks, such as a sort's rows or their results going home: the default chunk
+    (an eighth of the share, sized for the memory of a sort) would take many rounds, each one collective
+    (milliseconds of latency across processes). With a whole share, even traffic takes one round; a round's
+    buffers, ``size * chunk`` rows, stay about the size of the ``capacity`` receive buffer. (Traffic to a few
+    neighbours, in amounts that depend on the data, is better served by a :func:`chunk_ladder`: one round of a
+    whole share could take ``size`` rounds there.)
+    """
+    return max(1, -(-capacity // size))
+
+
 def _chunked(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: jax.Array, capacity: int,
              axes: tuple[str, ...], size: int, chunk: Chunk, perm: jax.Array | None,
              recv_at: jax.Array | None, init: Sequence[jax.Array] | None, target: jax.Array | None,

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._errors import CapacityError
 from ..comm import allgather, allreduce
-from ..comm._alltoallv import _exchange_counts_and_max, default_chunk, group_by_rank
+from ..comm._alltoallv import _exchange_counts_and_max, default_chunk, group_by_rank, share_chunk
 from ..core import ALL, rank_info, smap
 from ..core._rank import resolve_axes
 from ._domain import Domain, domain_of
@@ -241,6 +241,39 @@ def _wrapped(part: Any, kbox: KeyBox) -> Any:
     return replace_field(part, "pos", wrap(part.pos, kbox)) if kbox.periodic else part
 
 
+class _Keyed(NamedTuple):
+    """A device's rows keyed for the sorts: valid count and mask, key box, non-finite rows, Morton key words and
+    the tie words that order equal keys by global input order."""
+
+    num: jax.Array
+    rows: jax.Array
+    valid: jax.Array
+    kbox: KeyBox
+    nonfinite: jax.Array
+    words: tuple[jax.Array, ...]  # (key hi, key lo, tie...)
+
+
+def _keyed(part: Any, n: int, box: Box | None, rank: Any, size: int) -> _Keyed:
+    num = jnp.clip(jnp.asarray(part.num, jnp.int32), 0, n)
+    rows = jnp.arange(n, dtype=jnp.int32)
+    valid = rows < num
+    pos = jnp.asarray(part.pos)
+    kbox = key_box(pos, valid, box)
+    # Positions are wrapped into a periodic box after they moved (the keys wrap on the fly), so that no wrapped copy
+    # of the input positions is held during the sort.
+    nonfinite = jnp.sum(valid & ~jnp.all(jnp.isfinite(pos), axis=1)).astype(jnp.int32)
+    hi, lo = morton_key(pos, kbox, valid)
+    # Equal keys are split by global input order, i.e. by (rank, row): one word ``rank * n + row`` while it fits in
+    # an int32, else two.
+    tie = (rank * n + rows,) if size * n < _ONE_WORD_TIES else (jnp.full_like(rows, rank), rows)
+    return _Keyed(num, rows, valid, kbox, nonfinite, (hi, lo, *tie))
+
+
+def _wrap_rows(kbox: KeyBox) -> Callable[[jax.Array], jax.Array]:
+    """A row map wrapping `(..., rows, d)` positions into the periodic box as they are sent."""
+    return lambda p: wrap(p.reshape(-1, p.shape[-1]), kbox).reshape(p.shape)
+
+
 def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | None, *,
                    chunk_factor: int = 1, routes: bool = False, host_sort: bool = False) -> Sorted:
     """The local-view sort behind :func:`zsort`, with what the global wrapper needs to report.
@@ -259,15 +292,9 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
     if not isinstance(equalize, bool):
         raise TypeError(f"equalize must be a bool, got {equalize!r}")
     rank, size, _ = rank_info()
-    num = jnp.clip(jnp.asarray(part.num, jnp.int32), 0, n)  # type: ignore[attr-defined]
-    rows = jnp.arange(n, dtype=jnp.int32)
-    valid = rows < num
+    num, rows, valid, kbox, nonfinite, words = _keyed(part, n, box, rank, size)
     pos = jnp.asarray(part.pos)  # type: ignore[attr-defined]
-    kbox = key_box(pos, valid, box)
-    # Positions are wrapped into a periodic box after they moved (the keys wrap on the fly), so that no wrapped copy
-    # of the input positions is held during the sort.
-    nonfinite = jnp.sum(valid & ~jnp.all(jnp.isfinite(pos), axis=1)).astype(jnp.int32)
-    hi, lo = morton_key(pos, kbox, valid)
+    hi, lo = words[:2]
     if size == 1:
         perm = argsort_keys(hi, lo, host=host_sort)
 
@@ -285,11 +312,8 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
     # copy of the particles next to a sorted one, and no rows are regrouped after the first sort.
     rows_of = RowLeaves(part, n)
     perm = argsort_keys(hi, lo, host=host_sort)  # ties in row order, which is global index order
-    # Equal keys are split by global input order, i.e. by (rank, row): one word ``rank * n + row`` while it fits in
-    # an int32, else two. The splitters need no global offsets, so every device's count and non-finite rows travel
-    # with the samples (the total and the non-finite total come from that one all-gather).
-    tie = (rank * n + rows,) if size * n < _ONE_WORD_TIES else (jnp.full_like(rows, rank), rows)
-    words = (hi, lo, *tie)
+    # The splitters need no global offsets (ties are split by (rank, row)), so every device's count and non-finite
+    # rows travel with the samples (the total and the non-finite total come from that one all-gather).
     splitters, per_device = _splitters(words, num, jnp.stack([num, nonfinite]), size)
     nonfinite = jnp.sum(per_device[:, 1])
     bucket = jnp.where(valid, _destinations(words, splitters), size)
@@ -339,8 +363,7 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
     # Positions are wrapped into a periodic box on the way (no wrapped copy of the input).
     arrays = rows_of.arrays()
     pos_leaf = [a is part.pos for a in rows_of.leaves]  # type: ignore[attr-defined]
-    maps = [(lambda p: wrap(p.reshape(-1, p.shape[-1]), kbox).reshape(p.shape)) if kbox.periodic and pos_leaf[i]
-            else None for i in rows_of.rows]
+    maps = [_wrap_rows(kbox) if kbox.periodic and pos_leaf[i] else None for i in rows_of.rows]
     extra: list[jax.Array] = []
     if routes:
         # Each row takes (sender, its place in the sender's block for the receiver) along: the receiver regroups its
@@ -394,25 +417,17 @@ def bucket_sort(part: Any, box: Box | None, capacity: int | None, *, number: boo
     n, _ = check_positions(part, "zsort")
     cap = n if capacity is None else check_capacity(capacity)
     rank, size, _ = rank_info()
-    num = jnp.clip(jnp.asarray(part.num, jnp.int32), 0, n)
-    rows = jnp.arange(n, dtype=jnp.int32)
-    valid = rows < num
-    pos = jnp.asarray(part.pos)
-    kbox = key_box(pos, valid, box)
-    nonfinite = jnp.sum(valid & ~jnp.all(jnp.isfinite(pos), axis=1)).astype(jnp.int32)
-    hi, lo = morton_key(pos, kbox, valid)
+    num, rows, valid, kbox, nonfinite, words = _keyed(part, n, box, rank, size)
     rows_of = RowLeaves(part, n)
     arrays = rows_of.arrays()
     at_pos = next(k for k, i in enumerate(rows_of.rows) if rows_of.leaves[i] is part.pos)
     if size == 1:
-        perm = argsort_keys(hi, lo, host=host_sort)
+        perm = argsort_keys(*words[:2], host=host_sort)
         moved = resize_rows(take_rows([*arrays, rows], perm), cap)
         moved[at_pos] = wrap(moved[at_pos], kbox)
         stored = jnp.minimum(num, cap)
         out = rows_of.unpack(moved[:-1], stored)
         return Sorted(out, num > cap, num, allreduce(nonfinite), kbox, allreduce(num)), moved[-1] if number else None
-    tie = (rank * n + rows,) if size * n < _ONE_WORD_TIES else (jnp.full_like(rows, rank), rows)
-    words = (hi, lo, *tie)
     splitters, per_device = _splitters(words, num, jnp.stack([num, nonfinite]), size, snap=_SNAP)
     # Each row's bucket; the rows are grouped by bucket in row order (a counting sort, not a sort by key): they
     # arrive grouped by source rank, each source's in row order, so a stable sort by key on arrival puts equal keys
@@ -425,14 +440,14 @@ def bucket_sort(part: Any, box: Box | None, capacity: int | None, *, number: boo
     largest = jnp.max(matrix)
     maps: list[Any] = [None] * len(arrays)
     if kbox.periodic:
-        maps[at_pos] = lambda p: wrap(p.reshape(-1, p.shape[-1]), kbox).reshape(p.shape)
+        maps[at_pos] = _wrap_rows(kbox)
     extra = []
     if number:
         offset = jnp.sum(jnp.where(jnp.arange(size) < rank, per_device[:, 0], 0))
         extra = [offset + rows]
     # A whole share per rank pair and round: balanced traffic takes one round (each round is a collective).
     moved, _ = send_rows(arrays + extra, send, cap, perm=perm, row_maps=maps + [None] * len(extra),
-                         chunk=max(1, -(-cap // size)), plan=(from_src, largest))
+                         chunk=share_chunk(cap, size), plan=(from_src, largest))
     stored = jnp.minimum(received[rank], cap)
     held = jnp.arange(cap, dtype=jnp.int32)
     khi, klo = morton_key(moved[at_pos], kbox, held < stored)

@@ -127,8 +127,11 @@ def compile_for_devices(jitted: Any, args: Sequence[Any], devices: Iterable[Any]
 def compile_ahead(jitted: Callable[..., Any], devices: Iterable[Any]) -> Callable[..., Any]:
     """``jitted`` (a ``jax.jit`` function over ``devices``) that, on its first call for each argument structure,
     shapes and dtypes, is compiled by :func:`compile_for_devices` first. Calls under an outer trace pass straight
-    through (the outer program is what gets compiled)."""
+    through (the outer program is what gets compiled). Where :func:`split_cpus` leaves XLA alone (one device of
+    this process, other backends), ``jitted`` itself: nothing to do on its calls."""
     devices = tuple(devices)
+    if split_cpus(devices) is None:
+        return jitted
     seen: set[Hashable] = set()
 
     @functools.wraps(jitted)

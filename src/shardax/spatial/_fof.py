@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._errors import CapacityError
 from ..comm import allgather
+from ..comm._alltoallv import share_chunk
 from ..core import ALL, rank_info, smap
 from ..particles._morton import given_box_values
 from ..particles._particles import check_count, check_positions
@@ -34,7 +35,6 @@ from ._fof_halo import (
     piece_cells,
     segment_min_labels,
     send_grouped,
-    share_chunk,
 )
 from ._fof_local import (
     DEFAULT_TUNING,
@@ -288,7 +288,7 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
         # device in the order the rows left, i.e. ``routes.perm``.
         assert routes is not None
         back, _, back_overflow = send_grouped({"label": own_label}, routes.received, capacity=n, perm=routes.back,
-                                              plan=(routes.sent, routes.largest), chunk=share_chunk(n, size))
+                                              plan=(routes.sent, routes.largest), chunk=share_chunk(m, size))
         returned = rows < jnp.sum(routes.sent)
         own_label = jnp.full((n,), -1, jnp.int32).at[jnp.where(returned, routes.perm, n)].set(back["label"],
                                                                                             mode="drop")

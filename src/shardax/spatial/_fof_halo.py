@@ -63,19 +63,6 @@ class Halo(NamedTuple):
     overflow: jax.Array
 
 
-def share_chunk(capacity: int, size: int) -> int:
-    """Rows per rank pair and round when a whole ``capacity / size`` share travels in one round.
-
-    For the labels home, spread evenly over all devices: ``alltoallv``'s default chunk (an eighth of the share,
-    sized for the memory of a sort) would take many rounds, each one collective (milliseconds of latency across
-    processes). With a whole share, even traffic takes one round; a round's buffers, ``size * chunk`` rows, stay
-    about the size of the ``capacity`` receive buffer. (The boundary exchanges, whose traffic goes to a few
-    neighbouring devices in amounts that depend on the data, pick their size from :func:`boundary_chunks`
-    instead: one round of a whole share could take ``size`` rounds there.)
-    """
-    return max(1, -(-capacity // size))
-
-
 def boundary_chunks(capacity: int, size: int) -> tuple[int, ...]:
     """Round sizes (a :func:`~shardax.comm.chunk_ladder`) for the exchanges of boundary rows: ghosts, their labels
     and the pieces of groups that cross devices.
@@ -97,7 +84,8 @@ def send_grouped(columns: dict[str, jax.Array], counts: jax.Array, *, capacity: 
 
     One ``alltoallv`` for all columns (it packs the 4- and 8-byte ones into one block per round). ``plan``:
     ``(recv_counts, largest)`` when the route is known (no count exchange). ``chunk``: rows per rank pair and round
-    (default ``alltoallv``'s, sized for a sort's memory; :func:`share_chunk` for one round of a whole share; a
+    (default ``alltoallv``'s, sized for a sort's memory; :func:`~shardax.comm._alltoallv.share_chunk` for one
+    round of a whole share; a
     :func:`boundary_chunks` ladder for one round of boundary traffic, whatever its size).
     Returns ``(columns, recv_counts, overflow)``: ``capacity`` rows grouped by source rank, each source's rows in
     the order they were sent.
