@@ -14,6 +14,7 @@ import pytest
 import shardax as sx
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "diverge.py")
+MISMATCH = str(Path(__file__).parent / "scripts" / "mismatch.py")
 pytestmark = pytest.mark.multiprocess
 
 
@@ -32,8 +33,47 @@ def test_guard_names_the_disagreeing_shapes(monkeypatch):
     assert "with argument 'x' of step float32(4, 1024), process" in result.output or \
         "with argument 'x' of step float32(4, 1500), process" in result.output, result.output
     assert "finished" not in result.output
+    # The launcher's summary starts with the mismatch, before "rank N exited with code 1".
+    summary = [line for line in result.output.splitlines() if line.startswith("shardax launch: ")]
+    assert "ProgramMismatchError: processes are about to run different" in summary[0], result.output
+    assert "exited with code 1" in summary[1], result.output
     assert elapsed < 30, elapsed
     print(f"[reliability] guard, different shapes: run ended after {elapsed:.1f} s, start-up included")
+
+
+# Each case changes one static argument (or the code) on process 1; the message must name it.
+MISMATCHES = {
+    "lambda": "and their code differs",
+    "zsort": "calls zsort.smap with equalize=False, process",
+    "knn": "calls knn.smap with k=9, process",
+    "fof": "calls fof.smap with linking_length=0.06, process",
+    "paint": "calls shardax.fields.paint with capacity=300, process",
+    "readout": "calls shardax.fields.readout with capacity=300, process",
+    "power_spectrum": "calls shardax.fields.power_spectrum with bins=5, process",
+    "fftn": "calls shardax.fft.fftn with norm='ortho', process",
+    "potrs": "calls shardax.linalg.potrs with with_logdet=True, process",
+}
+
+
+def test_guard_compares_code_and_static_arguments(monkeypatch):
+    """Every kernel wrapper, one launch: one process changes one static argument, both get ProgramMismatchError
+    naming it, in seconds; the same lambda written twice still runs."""
+    monkeypatch.setenv("SHARDAX_GUARD_TIMEOUT", "60")
+    t0 = time.monotonic()
+    result = sx.testing.launch_script(MISMATCH, num_processes=2, cpu_devices=2, timeout_s=300)
+    elapsed = time.monotonic() - t0
+    assert result.returncode == 0, result.output
+    lines = result.output.splitlines()
+    for rank in (0, 1):
+        mine = [line for line in lines if line.startswith(f"[{rank}] case ")]
+        assert f"[{rank}] case same: NO ERROR" in mine, result.output
+        for case, words in MISMATCHES.items():
+            [line] = [line for line in mine if line.startswith(f"[{rank}] case {case}:")]
+            assert "mismatch after" in line, line
+            assert float(line.split("mismatch after ")[1].split(" s")[0]) < 60, line
+            if rank == 0:
+                assert words in line, line
+    print(f"[reliability] guard, {len(MISMATCHES)} mismatched programs in one launch: {elapsed:.1f} s")
 
 
 def test_guard_times_out_on_a_process_running_an_old_program(monkeypatch):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -112,6 +113,40 @@ class JobResult:
     signal_received: int | None = None
 
 
+# A traceback's last line: ``shardax._errors.ProgramMismatchError: processes are about to run ...``.
+_ERROR_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Interrupt): \S")
+# Errors that explain the other processes' failures too: their line goes first, whoever failed first.
+_EXPLAINS_OTHERS = ("ProgramMismatchError",)
+
+
+class _Headlines:
+    """A sink that passes everything on and keeps each process's last exception line (a traceback's verdict)."""
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+        self.last: dict[str, str] = {}
+        self.explaining: str | None = None
+        self._lock = threading.Lock()
+
+    def line(self, label: str, stream: Stream, text: str) -> None:
+        if stream == "stderr" and _ERROR_LINE.match(text):
+            with self._lock:
+                self.last[label] = text
+                if self.explaining is None and any(name in text.split(":", 1)[0] for name in _EXPLAINS_OTHERS):
+                    self.explaining = f"[{label}] {text}"
+        self.sink.line(label, stream, text)
+
+    def message(self, text: str) -> None:
+        self.sink.message(text)
+
+    def headline(self, label: str) -> str | None:
+        """The line that says why the job failed: a mismatch of programs, else ``label``'s last exception line."""
+        with self._lock:
+            if self.explaining is not None:
+                return self.explaining
+            return f"[{label}] {self.last[label]}" if label in self.last else None
+
+
 def describe_exit(name: str, returncode: int) -> str:
     """``"rank 1 exited with code 3"`` or ``"rank 1 was killed by SIGKILL"`` from a ``Popen.returncode``."""
     if returncode < 0:
@@ -177,7 +212,7 @@ def _forward_signals(on_signal: Callable[[int], None]) -> Iterator[None]:
 class _Job:
     def __init__(self, specs: Sequence[ProcessSpec], sink: Sink):
         self.specs = list(specs)
-        self.sink = sink
+        self.sink = self.headlines = _Headlines(sink)
         self.procs: list[subprocess.Popen[bytes]] = []
         self.readers: list[list[threading.Thread]] = []
         self.received: int | None = None
@@ -248,8 +283,8 @@ def run_job(specs: Sequence[ProcessSpec], *, sink: Sink, timeout_s: float | None
             result = _watch(job, start, timeout_s, grace_s)
         finally:
             job.teardown(grace_s)
-    if result.message:
-        sink.message(result.message)
+    for line in result.message.splitlines():
+        sink.message(line)
     return result
 
 
@@ -277,7 +312,8 @@ def _watch(job: _Job, start: float, timeout_s: float | None, grace_s: float) -> 
             message = describe_exit(job.specs[first].name, code)
             if others:
                 message += f"; stopping the other {_running_word(job)}: {job.names(others)}"
-            return JobResult(shell_code(code), message)
+            headline = job.headlines.headline(job.specs[first].label)
+            return JobResult(shell_code(code), message if headline is None else f"{headline}\n{message}")
         if all(c == 0 for c in codes):
             return JobResult(0)
         if timeout_s is not None and time.monotonic() - start > timeout_s:

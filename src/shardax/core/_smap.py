@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import re
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -15,8 +14,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ..runtime import flat_mesh
 from ..runtime._compile import compile_ahead
-from ..runtime._guard import guard_call, last_call
+from ..runtime._guard import last_call
 from ..runtime._watchdog import watch
+from ._guarded import Guarded
 
 
 class _AllAxes:
@@ -129,24 +129,6 @@ def _positional(f: Callable, signature: inspect.Signature) -> Callable:
     return call
 
 
-def _stable_repr(value: Any) -> str:
-    """A description of a static value that is the same in every process (no memory addresses)."""
-    if callable(value) and hasattr(value, "__qualname__"):
-        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
-    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
-
-
-def _describe_arg(value: Any) -> str:
-    leaves = jax.tree_util.tree_leaves_with_path(value)
-    parts = []
-    for path, leaf in leaves:
-        dtype = getattr(leaf, "dtype", None)
-        dtype = np.dtype(dtype).name if dtype is not None else type(leaf).__name__
-        where = jax.tree_util.keystr(path)
-        parts.append(f"{where + ': ' if where else ''}{dtype}{tuple(np.shape(leaf))}")
-    return parts[0] if len(parts) == 1 and not jax.tree_util.keystr(leaves[0][0]) else "{" + ", ".join(parts) + "}"
-
-
 def _broadcast_specs(specs: Any, tree: Any, where: str) -> Any:
     """Specs as a full tree matching ``tree`` (``specs`` is a prefix of it)."""
     try:
@@ -190,7 +172,7 @@ def _expand_leading(spec: PartitionSpec) -> Callable[[jax.Array], jax.Array]:
 
 
 def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = None, expand: bool = True,
-         jit: bool = False, donate_argnums: int | tuple[int, ...] = ()) -> Callable:
+         jit: bool = False, donate_argnums: int | tuple[int, ...] = (), name: str | None = None) -> Callable:
     """``jax.shard_map`` with the conveniences of MPI-style particle codes.
 
     On top of ``jax.shard_map``:
@@ -216,6 +198,8 @@ def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = N
         jit: wrap the result in ``jax.jit``.
         donate_argnums: positional argument(s) whose buffers the jitted call may reuse (needs ``jit=True``; not a
             static argument).
+        name: how the program guard's and the watchdog's messages name the function (e.g. ``"knn.smap"``);
+            default: the public shardax function called, else ``f``'s qualified name.
 
     Returns:
         The global function, taking the same arguments as ``f`` (keyword arguments are bound by ``f``'s signature).
@@ -242,93 +226,106 @@ def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = N
         raise TypeError(f"donate_argnums must be a non-negative int or a tuple of them, got {donate_argnums!r}")
     if donate and not jit:
         raise ValueError("donate_argnums needs jit=True (only a jitted call can reuse the donated buffers)")
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a str or None, got {type(name).__name__}")
     try:
         signature: inspect.Signature | None = inspect.signature(f)
     except (TypeError, ValueError):
         signature = None
-    name = getattr(f, "__name__", repr(f))
+    params = list(signature.parameters) if signature is not None else []
+    fname = getattr(f, "__name__", repr(f))
+
+    def arg_name(i: int) -> str:
+        return f"argument {params[i]!r} of {fname}" if i < len(params) else f"argument {i} of {fname}"
+
+    guard = Guarded(f, name, params, arg_name)
     if signature is not None and any(p.kind is p.KEYWORD_ONLY for p in signature.parameters.values()):
         f = _positional(f, signature)
-    qualname = f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', name)}"
     cache: dict[Hashable, Callable] = {}
 
     def bind(args: tuple, kwargs: dict) -> tuple:
         if not kwargs:
             return args
         if signature is None:
-            raise TypeError(f"{name}: keyword arguments need a function with an inspectable signature")
+            raise TypeError(f"{fname}: keyword arguments need a function with an inspectable signature")
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         return tuple(bound.arguments.values())
-
-    def arg_name(i: int) -> str:
-        if signature is not None:
-            params = list(signature.parameters)
-            if i < len(params):
-                return f"argument {params[i]!r} of {name}"
-        return f"argument {i} of {name}"
 
     @functools.wraps(f)
     def global_fn(*args: Any, **kwargs: Any) -> Any:
         args = bind(args, kwargs)
         the_mesh = default_mesh(mesh)
-        if isinstance(in_specs, tuple | list) and not isinstance(in_specs, PartitionSpec):
-            specs = tuple(in_specs)
-            if len(specs) != len(args):
-                raise ValueError(f"{name} got {len(args)} argument(s) but in_specs has {len(specs)} entries")
-        else:
-            specs = (in_specs,) * len(args)
+        specs = _per_argument(in_specs, len(args), fname)
         static = tuple(i for i, s in enumerate(specs) if s is None)
-        static_vals = tuple(args[i] for i in static)
-        # The built function bakes in the specs broadcast over each argument's pytree: a new structure (e.g. a
-        # particle set with or without mass) needs its own.
-        structure = tuple(jax.tree.structure(args[i]) for i in range(len(args)) if i not in static)
-        try:
-            key = (the_mesh, static, static_vals, structure)
-            hash(key)
-        except TypeError:
-            bad = [arg_name(i) for i, v in zip(static, static_vals, strict=True) if not isinstance(v, Hashable)]
-            raise TypeError(f"{', '.join(bad)} is marked static (in_spec None) but is not hashable; pass arrays "
-                            "with a PartitionSpec instead") from None
+        key = _cache_key(the_mesh, args, static, arg_name)
         dyn_idx = tuple(i for i in range(len(args)) if i not in static)
-        dyn_args = tuple(args[i] for i in dyn_idx)
-        dyn_specs = []
-        for i in dyn_idx:
-            full = _broadcast_specs(specs[i], args[i], f"in_specs for {arg_name(i)}")
-            full = jax.tree.map(lambda s, i=i: _resolve_or_replicated(s, the_mesh, f"in_specs for {arg_name(i)}"),
-                                full, is_leaf=_is_spec_value)
-            leaves, _ = jax.tree.flatten(args[i])
-            spec_leaves = jax.tree.leaves(full, is_leaf=lambda s: isinstance(s, PartitionSpec))
-            for j, (leaf, sp) in enumerate(zip(leaves, spec_leaves, strict=True)):
-                where = arg_name(i) if len(leaves) == 1 else f"leaf {j} of {arg_name(i)}"
-                _check_leaf(leaf, sp, the_mesh, where, expand)
-            dyn_specs.append(full)
+        dyn_specs = tuple(_full_specs(args[i], specs[i], the_mesh, expand, arg_name(i)) for i in dyn_idx)
         fn = cache.get(key)
         if fn is None:
-            fn = _build(f, the_mesh, args, static, tuple(dyn_specs), out_specs, expand, name)
+            fn = _build(f, the_mesh, args, static, dyn_specs, out_specs, expand, fname)
             if jit:
-                for i in donate:
-                    if i >= len(args) or i in static:
-                        raise ValueError(f"donate_argnums={donate_argnums!r}: {i} is not a positional array "
-                                         f"argument of {name} (it has {len(args)}; static ones cannot be donated)")
-                fn = jax.jit(fn, donate_argnums=tuple(dyn_idx.index(i) for i in donate))
-                # Several CPU devices of this process: compiled with operations kept whole (see runtime._compile).
-                fn = compile_ahead(fn, the_mesh.devices.flat)
-                cache[key] = fn
+                fn = _jit(fn, donate, dyn_idx, the_mesh, f"donate_argnums={donate_argnums!r}", fname)
+            cache[key] = fn
+        dyn_args = tuple(args[i] for i in dyn_idx)
         leaves = jax.tree.leaves(dyn_args)
-        if any(isinstance(leaf, Tracer) for leaf in leaves):
-            return fn(*dyn_args)  # traced inside an outer jit: the outer call is what runs
-        signature = tuple((np.shape(leaf), str(getattr(leaf, "dtype", type(leaf).__name__))) for leaf in leaves)
-        guard_call((key, signature), qualname,
-                   [(arg_name(i), _describe_arg(args[i])) for i in dyn_idx],
-                   ", ".join(f"{arg_name(i)}={_stable_repr(v)}" for i, v in zip(static, static_vals, strict=True)),
-                   f"{dict(the_mesh.shape)}")
+        traced = any(isinstance(leaf, Tracer) for leaf in leaves)
+        guard.check(key, args, static, leaves, the_mesh, traced=traced)
+        if traced:
+            return fn(*dyn_args)  # inside an outer jit (checked as it is traced): the outer call is what runs
         out = fn(*dyn_args)
         number, description = last_call()
         watch(number, description, out)
         return out
 
     return global_fn
+
+
+def _per_argument(in_specs: Any, n_args: int, fname: str) -> tuple:
+    """One spec (or ``None``: static) per positional argument."""
+    if isinstance(in_specs, tuple | list) and not isinstance(in_specs, PartitionSpec):
+        if len(in_specs) != n_args:
+            raise ValueError(f"{fname} got {n_args} argument(s) but in_specs has {len(in_specs)} entries")
+        return tuple(in_specs)
+    return (in_specs,) * n_args
+
+
+def _cache_key(mesh: Mesh, args: tuple, static: tuple[int, ...], arg_name: Callable[[int], str]) -> Hashable:
+    """What fixes the built function: the mesh, the static values, and the array arguments' pytree structures (the
+    built function bakes in the specs broadcast over them: a particle set with or without mass needs its own)."""
+    static_vals = tuple(args[i] for i in static)
+    structure = tuple(jax.tree.structure(args[i]) for i in range(len(args)) if i not in static)
+    key = (mesh, static, static_vals, structure)
+    try:
+        hash(key)
+    except TypeError:
+        bad = [arg_name(i) for i, v in zip(static, static_vals, strict=True) if not isinstance(v, Hashable)]
+        raise TypeError(f"{', '.join(bad)} is marked static (in_spec None) but is not hashable; pass arrays "
+                        "with a PartitionSpec instead") from None
+    return key
+
+
+def _full_specs(arg: Any, spec: Any, mesh: Mesh, expand: bool, where: str) -> Any:
+    """``spec`` broadcast over ``arg``'s pytree and resolved on ``mesh``, each leaf checked against its spec."""
+    full = _broadcast_specs(spec, arg, f"in_specs for {where}")
+    full = jax.tree.map(lambda s: _resolve_or_replicated(s, mesh, f"in_specs for {where}"), full,
+                        is_leaf=_is_spec_value)
+    leaves = jax.tree.leaves(arg)
+    spec_leaves = jax.tree.leaves(full, is_leaf=lambda s: isinstance(s, PartitionSpec))
+    for j, (leaf, sp) in enumerate(zip(leaves, spec_leaves, strict=True)):
+        _check_leaf(leaf, sp, mesh, where if len(leaves) == 1 else f"leaf {j} of {where}", expand)
+    return full
+
+
+def _jit(fn: Callable, donate: tuple[int, ...], dyn_idx: tuple[int, ...], mesh: Mesh, donate_text: str,
+         fname: str) -> Callable:
+    for i in donate:
+        if i not in dyn_idx:
+            raise ValueError(f"{donate_text}: {i} is not a positional array argument of {fname} (static ones "
+                             "cannot be donated)")
+    jitted = jax.jit(fn, donate_argnums=tuple(dyn_idx.index(i) for i in donate))
+    # Several CPU devices of this process: compiled with operations kept whole (see runtime._compile).
+    return compile_ahead(jitted, mesh.devices.flat)
 
 
 def _build(f: Callable, mesh: Mesh, args: tuple, static: tuple[int, ...], dyn_specs: tuple, out_specs: Any,

@@ -29,6 +29,8 @@ def attach_smap(f: Callable[..., Any], *, arrays: dict[str, Any], out_specs: Any
     """
     signature = inspect.signature(f)
     names = list(signature.parameters)
+    positional = signature.replace(parameters=[p.replace(kind=p.POSITIONAL_ONLY, default=p.empty)
+                                               for p in signature.parameters.values()])
 
     @functools.cache
     def constructor(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., Any]:
@@ -54,8 +56,10 @@ def attach_smap(f: Callable[..., Any], *, arrays: dict[str, Any], out_specs: Any
                                  for v, t in zip(vals, treedefs, strict=True))
                     return f(**dict(zip(names, vals, strict=True)))
 
+                # f's parameter names, so that the program guard names a static argument that differs ("n=1000").
+                body.__signature__ = positional  # type: ignore[attr-defined]
                 specs = tuple(None if s else arrays[k] for k, s in zip(names, static, strict=True))
-                fn = smap(body, in_specs=specs, out_specs=out_specs, mesh=mesh, jit=jit)
+                fn = smap(body, in_specs=specs, out_specs=out_specs, mesh=mesh, jit=jit, name=f"{f.__name__}.smap")
                 cache[key] = fn
             return fn(*(v if t is None else t[0] for v, t in zip(values, flat, strict=True)))
 

@@ -1,10 +1,11 @@
 """Program guard: processes compare what they are about to run before a new distributed program first runs.
 
 Multi-controller JAX hangs (or returns garbage) when processes call different collectives, with different shapes, or
-in a different order. Before an ``smap`` function first runs with a new signature (function, argument shapes and
-dtypes, static arguments, mesh), every process posts a fingerprint to JAX's distributed key-value store and reads
-everyone else's, with a timeout; a mismatch raises :class:`shardax.ProgramMismatchError` on every process naming who
-disagrees and how. Steady-state calls (a signature already checked) cost a dictionary lookup.
+in a different order. Before an ``smap`` function first runs with a new signature (the function's fingerprint: its
+code, captured values and defaults, see :mod:`shardax.runtime._fingerprint`; argument shapes and dtypes; static
+arguments; mesh), every process posts a description of it to JAX's distributed key-value store and reads everyone
+else's, with a timeout; a mismatch raises :class:`shardax.ProgramMismatchError` on every process naming who disagrees
+and how. Steady-state calls (a signature already checked) cost a dictionary lookup.
 
 Modes (``SHARDAX_GUARD`` or :func:`configure_guard`): ``"new"`` (default: check each new signature), ``"strict"``
 (check every call, with its sequence number: also catches a process that re-runs an old program while the others run
@@ -16,15 +17,52 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import threading
-from collections.abc import Hashable
-from typing import Literal
+from collections.abc import Callable, Hashable
+from typing import Any, Literal
 
 import jax
 
 from .._errors import ProgramMismatchError
+from ._fingerprint import Item
 
 GuardMode = Literal["new", "strict", "off"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Details:
+    """What processes compare before running a program (only ``items``, ``arguments`` and ``mesh`` are compared).
+
+    Attributes:
+        function: how messages name the function (``"knn.smap"``, ``"__main__.step"``).
+        where: ``file:line`` of the user's call (see :func:`call_site`).
+        items: its fingerprint: code, captured values, defaults and static arguments.
+        arguments: ``(name, "float32(4, 1024)")`` of each array argument.
+        mesh: the mesh's axis sizes.
+    """
+
+    function: str
+    where: str
+    items: tuple[Item, ...]
+    arguments: tuple[tuple[str, str], ...]
+    mesh: str
+
+
+@dataclasses.dataclass
+class Program:
+    """One signature of a distributed function, as the guard sees it.
+
+    Attributes:
+        key: equal for equal programs (the function's fingerprint digest, static values, shapes, mesh); a key
+            already checked is not checked again in ``"new"`` mode.
+        summary: ``name(argument descriptions)``, for the watchdog and for timeout messages.
+        details: builds the :class:`Details`; called only when the guard compares (never in steady state).
+    """
+
+    key: Hashable
+    summary: str
+    details: Callable[[], Details]
 
 
 @dataclasses.dataclass
@@ -81,31 +119,84 @@ def _client():
     return distributed.global_state.client
 
 
-def _describe_difference(mine: dict, theirs: dict, me: int, other: int) -> str:
-    if mine["function"] != theirs["function"]:
-        return (f"process {other} called {theirs['function']} while process {me} called {mine['function']} "
-                f"(distributed call #{mine['sequence']} of each)")
-    for (name, a), (_, b) in zip(mine["arguments"], theirs["arguments"], strict=False):
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_INTERNAL = tuple(os.path.join(_PACKAGE, sub) + os.sep for sub in ("core", "runtime", "testing"))
+_LIBRARIES = tuple(f"{os.sep}{lib}{os.sep}" for lib in ("jax", "jaxlib"))
+
+
+def call_site() -> tuple[str | None, str]:
+    """``(entry, where)`` of the current call: the public shardax function the user called
+    (``"shardax.fft.fftn"``; ``None`` when the user called an ``smap`` function or a ``.smap`` closure directly)
+    and ``file:line`` of the user's call. Walks the stack: only for messages, never in steady state."""
+    frame = sys._getframe(1)
+    entry: str | None = None
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if path.startswith(_PACKAGE + os.sep):
+            qualname = frame.f_code.co_qualname
+            if entry is None and not path.startswith(_INTERNAL) and "<locals>" not in qualname and \
+                    not qualname.startswith("_"):
+                module = str(frame.f_globals.get("__name__", ""))
+                entry = ".".join([*(p for p in module.split(".") if not p.startswith("_")), qualname])
+        elif not any(lib in path for lib in _LIBRARIES) and not path.endswith(("functools.py", "contextlib.py")):
+            return entry, f"{os.path.basename(path)}:{frame.f_lineno}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return entry, "?"
+
+
+def _payload(details: Details, sequence: int, call: int | None) -> dict[str, Any]:
+    return {"function": details.function, "where": details.where, "sequence": sequence, "call": call,
+            "items": [[i.label, i.digest, i.description] for i in details.items],
+            "arguments": [list(a) for a in details.arguments], "mesh": details.mesh}
+
+
+def _compared(payload: dict[str, Any]) -> tuple:
+    return (tuple((label, digest) for label, digest, _ in payload["items"]),
+            tuple(shape for _, shape in payload["arguments"]), payload["mesh"], payload["call"])
+
+
+def _describe_difference(mine: dict[str, Any], theirs: dict[str, Any], me: int, other: int) -> str:
+    name, other_name = mine["function"], theirs["function"]
+    for (label, digest, desc), (their_label, their_digest, their_desc) in zip(mine["items"], theirs["items"],
+                                                                           strict=False):
+        if (label, digest) == (their_label, their_digest):
+            continue
+        if label != their_label or label == "code":
+            if name != other_name:
+                return (f"process {other} calls {other_name} ({theirs['where']}) while process {me} calls {name} "
+                        f"({mine['where']}) (distributed call #{mine['sequence']} of each)")
+            return (f"process {other} runs {their_desc} and process {me} runs {desc}, and their code differs "
+                    f"(called at {theirs['where']} and {mine['where']})")
+        same = " (the same description: they differ inside)" if desc == their_desc else ""
+        return f"process {other} calls {other_name} with {label}={their_desc}, process {me} with {label}={desc}{same}"
+    if len(mine["items"]) != len(theirs["items"]):
+        return (f"process {other} calls {other_name} ({theirs['where']}) and process {me} calls {name} "
+                f"({mine['where']}) with different captured values or static arguments")
+    for (arg, a), (_, b) in zip(mine["arguments"], theirs["arguments"], strict=False):
         if a != b:
-            return f"process {other} called {theirs['function']} with {name} {b}, process {me} with {a}"
+            return f"process {other} calls {other_name} with {arg} {b}, process {me} with {a}"
     if len(mine["arguments"]) != len(theirs["arguments"]):
-        return (f"process {other} called {theirs['function']} with {len(theirs['arguments'])} array arguments, "
+        return (f"process {other} calls {other_name} with {len(theirs['arguments'])} array arguments, "
                 f"process {me} with {len(mine['arguments'])}")
-    for field in ("static", "mesh"):
-        if mine[field] != theirs[field]:
-            return f"process {other} called {theirs['function']} with {field} {theirs[field]}, process {me} with " \
-                   f"{mine[field]}"
-    return f"process {other} and process {me} disagree on call #{mine['sequence']}"
+    if mine["mesh"] != theirs["mesh"]:
+        return f"process {other} calls {other_name} on mesh {theirs['mesh']}, process {me} on mesh {mine['mesh']}"
+    return (f"process {other} is at distributed call #{theirs['call']} ({other_name}) and process {me} at call "
+            f"#{mine['call']} ({name})")
 
 
-def guard_call(key: Hashable, function: str, arguments: list[tuple[str, str]], static: str, mesh: str) -> None:
-    """Check with the other processes before running ``function``; no-op in one process or when already checked."""
+def guard_call(program: Program, *, traced: bool = False) -> None:
+    """Check with the other processes before running ``program``; no-op in one process or when already checked.
+
+    ``traced``: the call is being traced inside an outer ``jax.jit`` (or ``grad``): it is checked when first
+    traced (the runs of the compiled outer program cannot be seen from Python), not counted as a call.
+    """
     with _lock:
-        _state.calls += 1
-        _state.last = f"{function}({', '.join(f'{n} {d}' for n, d in arguments)})"
+        if not traced:
+            _state.calls += 1
+            _state.last = program.summary
         if _state.mode == "off" or jax.process_count() == 1:
             return
-        if _state.mode == "new" and key in _state.seen:
+        if (_state.mode == "new" or traced) and program.key in _state.seen:
             return
         client = _client()
         if client is None:
@@ -113,10 +204,9 @@ def guard_call(key: Hashable, function: str, arguments: list[tuple[str, str]], s
         _state.sequence += 1
         sequence = _state.sequence
         timeout_s = _state.timeout_s
-        strict = _state.mode == "strict"
+        call = _state.calls if _state.mode == "strict" and not traced else None
     me = jax.process_index()
-    mine = {"function": function, "arguments": arguments, "static": static, "mesh": mesh, "sequence": sequence,
-            "call": _state.calls if strict else None}
+    mine = _payload(program.details(), sequence, call)
     prefix = f"shardax/guard/{sequence}"
     client.key_value_set(f"{prefix}/{me}", json.dumps(mine))
     if sequence > 2:  # everyone has read check #sequence-2 once anyone reaches check #sequence
@@ -129,14 +219,12 @@ def guard_call(key: Hashable, function: str, arguments: list[tuple[str, str]], s
         except Exception as err:  # the runtime raises its own error type on DEADLINE_EXCEEDED
             raise ProgramMismatchError(
                 f"process {other} did not reach shardax's program check #{sequence} within {timeout_s:g} s while "
-                f"process {me} is about to run {_state.last}: process {other} is running a different program (a "
-                "different call, or a call whose signature it already checked — SHARDAX_GUARD=strict checks every "
-                f"call), has exited, or is stuck ({type(err).__name__})") from None
-        theirs_cmp = {k: (tuple(map(tuple, v)) if k == "arguments" else v) for k, v in theirs.items()}
-        mine_cmp = {k: (tuple(map(tuple, v)) if k == "arguments" else v) for k, v in mine.items()}
-        if theirs_cmp != mine_cmp:
+                f"process {me} is about to run {program.summary} ({mine['where']}): process {other} is running a different "
+                "program (a different call, or a call whose signature it already checked — SHARDAX_GUARD=strict "
+                f"checks every call), has exited, or is stuck ({type(err).__name__})") from None
+        if _compared(theirs) != _compared(mine):
             raise ProgramMismatchError(
                 "processes are about to run different distributed programs (this would hang or return garbage): "
                 + _describe_difference(mine, theirs, me, other))
     with _lock:
-        _state.seen.add(key)
+        _state.seen.add(program.key)
