@@ -14,8 +14,8 @@ from jax.sharding import Mesh
 import shardax as sx
 from conftest import make_mesh
 from shardax.particles import Particles
-from shardax.spatial._fof import fof
-from shardax.spatial._fof_local import Tuning, piece_space
+from shardax.spatial._fof import fof, fof_steps
+from shardax.spatial._fof_local import GPU_TUNING, PRESETS, Tuning, piece_space, resolve
 from test_fof_multiprocess import (
     MIN_MEMBERS,
     compare_catalogues,
@@ -74,6 +74,53 @@ def test_mixed_periodic_meshes(mixed, mesh) -> None:
     labels, got = _global(data, mesh.devices.shape, min_members=MIN_MEMBERS)
     np.testing.assert_array_equal(labels, want)
     compare_catalogues(got, cat)
+
+
+@pytest.mark.parametrize("shape", [(), (8,)], ids=["local", "8"])
+def test_gpu_preset_on_cpu(mixed, shape: tuple[int, ...]) -> None:
+    """The GPU preset forced on CPU (comparison sort and a cell table from its keys, runs recomputed per step, steps
+    of half the rows): the same labels and catalogue as SciPy and the CPU preset, in the local view and on 8
+    devices."""
+    data, want, cat = mixed
+    for tuning in ("gpu", GPU_TUNING, "cpu"):
+        labels, got = _local(data, min_members=MIN_MEMBERS, tuning=tuning) if not shape else \
+            _global(data, shape, min_members=MIN_MEMBERS, tuning=tuning)
+        np.testing.assert_array_equal(labels, want)
+        compare_catalogues(got, cat)
+        if shape:
+            break
+
+
+def test_tuning_argument() -> None:
+    """``tuning``: None takes the backend's preset (``SHARDAX_TUNING`` overrides), a name takes that preset, a
+    ``FofTuning`` is used as given; anything else is an error naming the choices."""
+    assert sx.spatial.FofTuning is Tuning and resolve(None) is PRESETS["cpu"] and resolve("gpu") is GPU_TUNING
+    mine = Tuning(slots=128)
+    assert resolve(mine) is mine
+    part = Particles(pos=jnp.zeros((8, 3)), num=jnp.int32(8))
+    with pytest.raises(ValueError, match="'cpu', 'gpu'"):
+        fof(part, 0.1, tuning="tpu")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="FofTuning|Tuning"):
+        fof(part, 0.1, tuning=3)  # type: ignore[arg-type]
+
+
+def test_tuning_from_environment(monkeypatch) -> None:
+    monkeypatch.setenv("SHARDAX_TUNING", "gpu")
+    assert resolve(None) is GPU_TUNING
+
+
+def test_gpu_preset_steps_at_a_million() -> None:
+    """The GPU preset's loops: 1e6 uniform points, b = 0.2, periodic unit box. The link search takes at most 16
+    sequential steps (each costs a fixed fraction of a millisecond on a GPU) and the components a few passes of one
+    hooking step each; the CPU preset's small steps take several times more. Labels agree with SciPy."""
+    n = 1_000_000
+    pos = np.random.default_rng(0).random((n, 3)).astype(np.float32)
+    part = Particles(pos=jnp.asarray(pos), num=jnp.int32(n))
+    ll = 0.2 / n ** (1 / 3)
+    steps, res = fof_steps(part, ll, box=1.0, min_members=2, tuning="gpu")
+    assert steps["links"] <= 16, steps
+    assert steps["sort"] == 0 and steps["hooks"] == steps["sweeps"] <= 4 and steps["jumps"] <= 8, steps
+    np.testing.assert_array_equal(np.asarray(res.labels), reference_labels(pos, ll, 1.0, 2))
 
 
 def test_open_2d() -> None:
@@ -146,6 +193,7 @@ def test_search_corner_cases(case: str) -> None:
     point with more candidates than one step, a grid capped by its cell table, more edges than one hooking chunk."""
     rng = np.random.default_rng(13 if case in ("two_cells", "three_cells") else 11)
     tiny = Tuning(slots=64, edge_chunk=16)
+    gpu_shaped = tiny._replace(rank_rounds=0, run_table=False)  # the GPU preset's algorithms, small steps
     box: float | None = 1.0
     if case in ("two_cells", "three_cells"):
         # Few points, cells as wide as the linking length: 2 or 3 cells per axis.
@@ -163,9 +211,10 @@ def test_search_corner_cases(case: str) -> None:
     pos = pos[rng.permutation(len(pos))].astype(np.float32)
     data = {"pos": pos, "vel": None, "mass": None, "linking_length": ll, "box": box}
     want = reference_labels(pos, ll, box, 2)
-    labels, got = _local(data, min_members=2, tuning=tuning, edge_capacity=40000)
-    np.testing.assert_array_equal(labels, want)
-    compare_catalogues(got, reference_catalogue(pos, want, None, None, None if box is None else box))
+    for steps in (tuning, gpu_shaped._replace(table=tuning.table)):
+        labels, got = _local(data, min_members=2, tuning=steps, edge_capacity=40000)
+        np.testing.assert_array_equal(labels, want)
+        compare_catalogues(got, reference_catalogue(pos, want, None, None, None if box is None else box))
     groups = np.bincount(want[want >= 0])
     assert (groups >= 100).any() == (case in ("clump_capped_grid", "open_2d_clump"))
     assert (groups >= 2).sum() >= 2 or (want == -1).any()

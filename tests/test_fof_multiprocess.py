@@ -117,6 +117,12 @@ def compare_catalogues(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) 
         np.testing.assert_allclose(got[name][compact], want[name][compact], rtol=2e-4, atol=2e-5, err_msg=name)
 
 
+def _scenarios() -> list[tuple[str, dict]]:
+    """The data sets of the launch, by name ("mixed_gpu": the mixed data with the GPU preset)."""
+    return [("mixed", mixed_periodic()), ("mixed_gpu", mixed_periodic()), ("open2d", uniform_open_2d()),
+            ("grow", dense_boundaries())]
+
+
 def _host(x: jax.Array) -> np.ndarray:
     if not x.is_fully_addressable:
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
@@ -124,14 +130,16 @@ def _host(x: jax.Array) -> np.ndarray:
 
 
 def _distributed_body(out_dir: str) -> dict:
-    """Run every scenario on 2 processes x 4 devices; each process passes its own slice of the rows."""
+    """Run every scenario on 2 processes x 4 devices; each process passes its own slice of the rows. The mixed data
+    also run with the GPU preset forced on CPU."""
     me, nproc = sx.world().process_id, sx.world().num_processes
     results = {}
-    for name, data in (("mixed", mixed_periodic()), ("open2d", uniform_open_2d()), ("grow", dense_boundaries())):
+    for name, data in _scenarios():
         rows = np.array_split(np.arange(len(data["pos"])), nproc)[me]
         fields = {k: data[k][rows] for k in ("vel", "mass") if data[k] is not None}
         part = sx.particles.from_numpy(data["pos"][rows], **fields)
-        res = fof.smap()(part, data["linking_length"], box=data["box"], min_members=MIN_MEMBERS)
+        res = fof.smap()(part, data["linking_length"], box=data["box"], min_members=MIN_MEMBERS,
+                         tuning="gpu" if name == "mixed_gpu" else None)
         flat = sx.particles.squeeze(part)
         labels = _host(res.labels)
         num = _host(part.num)
@@ -152,7 +160,7 @@ def _distributed_body(out_dir: str) -> dict:
 @pytest.mark.multiprocess
 def test_fof_two_processes(tmp_path) -> None:
     results = sx.testing.run_distributed(_distributed_body, str(tmp_path), num_processes=2, cpu_devices=4)
-    for name, data in (("mixed", mixed_periodic()), ("open2d", uniform_open_2d()), ("grow", dense_boundaries())):
+    for name, data in _scenarios():
         want = reference_labels(data["pos"], data["linking_length"], data["box"], MIN_MEMBERS)
         cat = reference_catalogue(data["pos"], want, data["mass"], data["vel"], data["box"])
         for res in results:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, Literal, NamedTuple, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -37,17 +37,21 @@ from ._fof_halo import (
     send_grouped,
 )
 from ._fof_local import (
-    DEFAULT_TUNING,
+    LinkSpace,
+    Steps,
     Tuning,
     components,
     find_links,
     link_grid,
     piece_space,
+    resolve,
     sort_points,
+    step_sizes,
     whole_space,
 )
 
 _CAPACITIES = ("edge_capacity", "halo_capacity", "max_groups", "sort_capacity")
+TuningName = Literal["cpu", "gpu"]
 
 
 class FofResult(NamedTuple):
@@ -129,7 +133,7 @@ def _check_linking_length(linking_length: Any, box: Any, dtype: Any) -> jax.Arra
 
 def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_members: int = 20,
         max_groups: int | None = None, edge_capacity: int | None = None, halo_capacity: int | None = None,
-        sort_capacity: int | None = None, tuning: Tuning = DEFAULT_TUNING) -> FofResult:
+        sort_capacity: int | None = None, tuning: Tuning | TuningName | None = None) -> FofResult:
     """Friends-of-friends groups of a particle set (local view; ``fof.smap()`` for global arrays).
 
     Two particles closer than (or exactly at) ``linking_length`` are friends; groups are the transitive closure.
@@ -149,7 +153,9 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
         sort_capacity: rows per device after the spatial sort (static, ignored on one device); default ``n``. The
             sort's pieces of space hold a device's share within a few percent (its splitters come from samples
             and sit on coarse cell boundaries), so particles filling their rows to the last need a few more.
-        tuning: static sizes of the pair search.
+        tuning: static sizes and algorithm choices of the linking (:class:`~shardax.spatial.FofTuning`): None
+            for the backend's preset (``SHARDAX_TUNING`` overrides), ``"cpu"`` or ``"gpu"`` for a preset, or a
+            ``FofTuning``. Labels are the same with every tuning.
 
     Returns:
         :class:`FofResult`: ``labels (n,)`` aligned with the input rows, the ``catalogue``, ``overflow``, ``needed``.
@@ -171,23 +177,28 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
         except sx.CapacityError as err:          # err.argument names the buffer, err.needed its size
             res = fof.smap()(part, 0.2 * spacing, box=1.0, **{err.argument: err.needed})
     """
+    return _fof(part, linking_length, box=box, min_members=min_members, max_groups=max_groups,
+                edge_capacity=edge_capacity, halo_capacity=halo_capacity, sort_capacity=sort_capacity,
+                tuning=tuning)[0]
+
+
+def _fof(part: Any, linking_length: float | jax.Array, *, box: Any, min_members: int, max_groups: int | None,
+         edge_capacity: int | None, halo_capacity: int | None, sort_capacity: int | None,
+         tuning: Tuning | TuningName | None) -> tuple[FofResult, Steps]:
+    """:func:`fof`, and the sequential loop steps it took (:func:`fof_steps`): checks, then the one-device or the
+    distributed path."""
     n, dim = check_positions(part, "fof")
     _positive_int(min_members, "min_members")
     pos = jnp.asarray(part.pos)
     dtype = pos.dtype
     boxv = _box_vector(box, dim, dtype)
     ll = _check_linking_length(linking_length, box, dtype)
-    rank, size, _ = rank_info()
-    hc = 0 if size == 1 else (_positive_int(halo_capacity, "halo_capacity", allow_none=True) or max(n // 4, 1024))
-    m = n if size == 1 else (_positive_int(sort_capacity, "sort_capacity", allow_none=True) or n)  # held rows
-    total_rows = m + hc
-    available = _available(m, _positive_int(max_groups, "max_groups", allow_none=True),
-                           _positive_int(edge_capacity, "edge_capacity", allow_none=True), hc, min_members)
-    edge_cap, _, group_cap, _ = available
+    tuning = resolve(tuning, "fof")
+    groups = _positive_int(max_groups, "max_groups", allow_none=True)
+    edges = _positive_int(edge_capacity, "edge_capacity", allow_none=True)
 
     num = jnp.clip(jnp.asarray(part.num, jnp.int32), 0, n)
-    rows = jnp.arange(n, dtype=jnp.int32)
-    valid = rows < num
+    valid = jnp.arange(n, dtype=jnp.int32) < num
     if not isinstance(pos, Tracer) and not bool(jnp.all(jnp.isfinite(jnp.where(valid[:, None], pos, 0)))):
         raise ValueError("fof: part.pos has NaN or infinite coordinates; remove or fix those particles")
     mass = getattr(part, "mass", None)
@@ -195,107 +206,174 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
     vel = getattr(part, "vel", None)
     vel = None if vel is None else jnp.asarray(vel, dtype)
     ids = getattr(part, "ids", None)
-    own_ids = ids is None
-    # Without ids, rows are numbered in global (device, row) order: by the sort on several devices (the devices'
-    # counts travel with its samples, no scan).
-    ids = None if own_ids and size > 1 else rows if own_ids else jnp.asarray(ids, jnp.int32)
-    carry = _Rows(pos, num, ids, mass, vel)
+    rows = _Rows(pos, num, None if ids is None else jnp.asarray(ids, jnp.int32), mass, vel)
+    rank, size, _ = rank_info()
+    if size == 1:
+        return _one_device(rows, ll, boxv, min_members, groups, edges, tuning)
+    hc = _positive_int(halo_capacity, "halo_capacity", allow_none=True) or max(n // 4, 1024)
+    m = _positive_int(sort_capacity, "sort_capacity", allow_none=True) or n
+    return _several_devices(rows, ll, box, boxv, min_members, groups, edges, hc, m, rank, size, tuning)
 
-    rows_needed = num
-    overflow = jnp.zeros((), bool)
-    routes = None
-    if size > 1:
-        result, index = bucket_sort(carry, box, m, number=own_ids, host_sort=True)
-        carry, routes = result.part, result.routes
-        if index is not None:
-            carry = carry._replace(ids=index)
-        rows_needed, overflow = result.needed, result.overflow
-        pieces = piece_cells(carry.pos, carry.num, result.key_box.origin.astype(dtype),
-                             result.key_box.extent.astype(dtype), 64)
-    elif boxv is not None:
-        carry = carry._replace(pos=carry.pos - boxv[None, :] * jnp.floor(carry.pos / boxv[None, :]))
-    num = carry.num
-    ids = carry.ids
-    assert ids is not None
-    own_valid = jnp.arange(m, dtype=jnp.int32) < num
-    mass = jnp.ones((m,), dtype) if carry.mass is None else carry.mass
-    vel = jnp.zeros((m, dim), dtype) if carry.vel is None else carry.vel
 
-    # Own rows, then ghosts from the other devices.
-    if size > 1:
-        halo = exchange_ghosts(carry.pos, ids, pieces, ll, boxv, rank, size, hc)
-        ghost_valid = jnp.arange(hc, dtype=jnp.int32) < halo.num
-        pos_all = jnp.concatenate([carry.pos, halo.pos])
-        ids_all = jnp.concatenate([ids, halo.ids])
-        valid_all = jnp.concatenate([own_valid, ghost_valid])
-        lower, upper = pieces.lower[rank], pieces.upper[rank]
-        occupied = pieces.count[rank] > 0
-        extent = jnp.where(occupied[:, None], upper - lower + ll, 0).astype(jnp.float32)
-        volume = jnp.sum(jnp.prod(extent, axis=1))
-        if boxv is not None:
-            # A grid over this device's piece (ghosts unwrapped next to it), not over the whole box: small cells
-            # and the counting sort of one device.
-            space, grid_pos = piece_space(pos_all, valid_all, boxv, ll, lower, upper, occupied)
-        else:
-            space, grid_pos = whole_space(pos_all, valid_all, None), pos_all
+class _Linked(NamedTuple):
+    """The local groups of one device's rows (own rows, then ghosts on several devices)."""
+
+    component: jax.Array  # (rows,) int32 smallest row of each row's local component
+    labels: jax.Array  # (rows,) int32 smallest id of each row's local component
+    num_edges: jax.Array  # pairs found (more than the edge capacity: overflow)
+    steps: Steps
+
+
+def _link(pos: jax.Array, valid: jax.Array, ids: jax.Array, space: LinkSpace, grid_pos: jax.Array,
+          ll: jax.Array, volume: jax.Array | None, edge_capacity: int, tuning: Tuning) -> _Linked:
+    """Link the valid rows of ``pos`` (`(r, d)`): a cell grid, the sort into it, the pairs, their components."""
+    rows = pos.shape[0]
+    count = jnp.sum(valid, dtype=jnp.int32)
+    table_cells = int(tuning.table * rows) + 64
+    grid = link_grid(space, count, ll, tuning.per_cell, table_cells, volume)
+    points = sort_points(pos, valid, space, grid, table_cells, tuning.rank_rounds, grid_pos)
+    links = find_links(points, count, ll, space, grid, edge_capacity=edge_capacity, tuning=tuning)
+    root, (sweeps, hooks, jumps) = components(links, rows, step_sizes(tuning, rows)[1])
+    component = jnp.zeros((rows,), jnp.int32).at[points.rows].set(points.rows[root])
+    labels = segment_min_labels(jnp.where(valid, ids, INT_MAX), component)
+    steps = Steps(points.rounds, links.steps, sweeps, hooks, jumps, jnp.int32(0), jnp.int32(0))
+    return _Linked(component, labels, links.num_edges, steps)
+
+
+def _mass_vel(rows: _Rows, m: int) -> tuple[jax.Array, jax.Array]:
+    """Masses `(m,)` and velocities `(m, d)` of the rows: ones and zeros for the fields the particles lack."""
+    dtype = rows.pos.dtype
+    mass = jnp.ones((m,), dtype) if rows.mass is None else rows.mass
+    vel = jnp.zeros((m, rows.pos.shape[1]), dtype) if rows.vel is None else rows.vel
+    return mass, vel
+
+
+def _one_device(rows: _Rows, ll: jax.Array, box: jax.Array | None, min_members: int, max_groups: int | None,
+                edge_capacity: int | None, tuning: Tuning) -> tuple[FofResult, Steps]:
+    """FoF of the particles of one device: link them (in the box, wrapped), label, summarise the groups."""
+    n = rows.pos.shape[0]
+    available = _available(n, max_groups, edge_capacity, 0, min_members)
+    edge_cap, _, group_cap, _ = available
+    pos = rows.pos if box is None else rows.pos - box[None, :] * jnp.floor(rows.pos / box[None, :])
+    index = jnp.arange(n, dtype=jnp.int32)
+    valid = index < rows.num
+    ids = index if rows.ids is None else rows.ids
+    linked = _link(pos, valid, ids, whole_space(pos, valid, box), pos, ll, None, edge_cap, tuning)
+    mass, vel = _mass_vel(rows, n)
+    parts = partial_sums(pos, mass, vel, linked.component, valid, n, box)
+    catalogue, groups_needed = finish(parts, linked.labels, parts.count >= min_members, group_cap, box)
+    member = valid & (parts.count[linked.component] >= min_members)
+    labels = jnp.where(member, linked.labels, -1)
+    needed = jnp.stack([linked.num_edges, jnp.int32(0), groups_needed, rows.num]).astype(jnp.int32)
+    overflow = jnp.any(needed > jnp.array(available, jnp.int32))
+    return FofResult(labels, catalogue, overflow, needed), linked.steps
+
+
+def _several_devices(rows: _Rows, ll: jax.Array, box_arg: Any, box: jax.Array | None, min_members: int,
+                     max_groups: int | None, edge_capacity: int | None, hc: int, m: int, rank: Any, size: int,
+                     tuning: Tuning) -> tuple[FofResult, Steps]:
+    """FoF across ``size`` devices, ``m`` rows per device after the sort and ``hc`` ghost rows (see the module)."""
+    n, dim = rows.pos.shape
+    dtype = rows.pos.dtype
+    big = m + hc
+    available = _available(m, max_groups, edge_capacity, hc, min_members)
+    edge_cap, _, group_cap, _ = available
+
+    # A compact piece of space per device: the rows in global z-order (numbered in global (device, row) order by
+    # the sort when the particles have no ids: the devices' counts travel with its samples, no scan).
+    result, index = bucket_sort(rows, box_arg, m, number=rows.ids is None, host_sort=True)
+    held, routes = result.part, result.routes
+    ids = held.ids if index is None else index
+    assert ids is not None and routes is not None
+    pieces = piece_cells(held.pos, held.num, result.key_box.origin.astype(dtype),
+                         result.key_box.extent.astype(dtype), 64)
+    own_valid = jnp.arange(m, dtype=jnp.int32) < held.num
+
+    # Own rows, then ghosts from the other devices, linked together on a grid over this device's piece (ghosts
+    # unwrapped next to it) rather than the whole box: small cells and the counting sort of one device.
+    halo = exchange_ghosts(held.pos, ids, pieces, ll, box, rank, size, hc, tuning.ghost_chunk)
+    ghost_valid = jnp.arange(hc, dtype=jnp.int32) < halo.num
+    pos_all = jnp.concatenate([held.pos, halo.pos])
+    ids_all = jnp.concatenate([ids, halo.ids])
+    valid_all = jnp.concatenate([own_valid, ghost_valid])
+    lower, upper = pieces.lower[rank], pieces.upper[rank]
+    occupied = pieces.count[rank] > 0
+    extent = jnp.where(occupied[:, None], upper - lower + ll, 0).astype(jnp.float32)
+    volume = jnp.sum(jnp.prod(extent, axis=1))
+    if box is not None:
+        space, grid_pos = piece_space(pos_all, valid_all, box, ll, lower, upper, occupied)
     else:
-        pos_all, ids_all, valid_all, volume = carry.pos, ids, own_valid, None
-        space, grid_pos = whole_space(pos_all, valid_all, boxv), pos_all
-    big = total_rows
-    count_all = jnp.sum(valid_all, dtype=jnp.int32)
-    table_cells = int(tuning.table * total_rows) + 64
-    grid = link_grid(space, count_all, ll, tuning.per_cell, table_cells, volume)
-    points = sort_points(pos_all, valid_all, space, grid, table_cells, tuning.rank_rounds, grid_pos)
-    links = find_links(points, count_all, ll, space, grid, edge_capacity=edge_cap, tuning=tuning)
-    root = components(links, big, tuning.edge_chunk)
-    component = jnp.zeros((big,), jnp.int32).at[points.rows].set(points.rows[root])
-    labels = segment_min_labels(jnp.where(valid_all, ids_all, INT_MAX), component)
+        space, grid_pos = whole_space(pos_all, valid_all, None), pos_all
+    linked = _link(pos_all, valid_all, ids_all, space, grid_pos, ll, volume, edge_cap, tuning)
+    component = linked.component
+    labels, merges = merge_labels(linked.labels, component, halo, m, hc)
 
-    halo_needed = jnp.int32(0)
-    if size > 1:
-        labels = merge_labels(labels, component, halo, m, hc)
-        halo_needed = halo.needed
-        overflow = overflow | halo.overflow
-
-    # Per-component sums of own members; components with ghosts are pieces of groups that cross devices.
+    # Per-component sums of own members; components with ghosts are pieces of groups that cross devices, summed
+    # on their home device.
+    mass, vel = _mass_vel(held, m)
     own_rows = jnp.concatenate([own_valid, jnp.zeros((hc,), bool)])
     mass_all = jnp.concatenate([mass, jnp.zeros((hc,), dtype)])
     vel_all = jnp.concatenate([vel, jnp.zeros((hc, dim), dtype)])
-    parts = partial_sums(pos_all, mass_all, vel_all, component, own_rows, big, boxv)
-    if size > 1:
-        has_ghost = jax.ops.segment_max(jnp.concatenate([jnp.zeros((m,), jnp.int32), ghost_valid.astype(jnp.int32)]),
-                                        component, big) > 0
-        boundary = has_ghost & (parts.count > 0)
-        totals, home, home_label, home_first, piece_needed, piece_overflow = boundary_totals(
-            parts, labels, boundary, rank, size, hc, boxv)
-        group_count = jnp.where(boundary, totals, parts.count)
-        halo_needed = jnp.maximum(halo_needed, piece_needed)
-        overflow = overflow | piece_overflow
-        local_keep = ~boundary & (parts.count >= min_members)
-        cat_parts = Partial(*(jnp.concatenate([a, b]) for a, b in zip(parts, home, strict=True)))
-        cat_label = jnp.concatenate([labels, home_label])
-        keep = jnp.concatenate([local_keep, home_first & (home.count >= min_members)])
-    else:
-        group_count = parts.count
-        cat_parts, cat_label = parts, labels
-        keep = parts.count >= min_members
-    catalogue, groups_needed = finish(cat_parts, cat_label, keep, group_cap, boxv)
+    parts = partial_sums(pos_all, mass_all, vel_all, component, own_rows, big, box)
+    has_ghost = jax.ops.segment_max(jnp.concatenate([jnp.zeros((m,), jnp.int32), ghost_valid.astype(jnp.int32)]),
+                                    component, big) > 0
+    boundary = has_ghost & (parts.count > 0)
+    totals, home, home_label, home_first, piece_needed, piece_overflow = boundary_totals(
+        parts, labels, boundary, rank, size, hc, box)
+    group_count = jnp.where(boundary, totals, parts.count)
+    local_keep = ~boundary & (parts.count >= min_members)
+    cat_parts = Partial(*(jnp.concatenate([a, b]) for a, b in zip(parts, home, strict=True)))
+    cat_label = jnp.concatenate([labels, home_label])
+    keep = jnp.concatenate([local_keep, home_first & (home.count >= min_members)])
+    catalogue, groups_needed = finish(cat_parts, cat_label, keep, group_cap, box)
 
+    # Labels home along the reverse routes of the sort: regrouped by sender (no sort), they arrive packed by
+    # device in the order the rows left, i.e. ``routes.perm``.
     member = own_valid & (group_count[component[:m]] >= min_members)
     own_label = jnp.where(member, labels[:m], -1)
-    if size > 1:
-        # Labels home along the reverse routes of the sort: regrouped by sender (no sort), they arrive packed by
-        # device in the order the rows left, i.e. ``routes.perm``.
-        assert routes is not None
-        back, _, back_overflow = send_grouped({"label": own_label}, routes.received, capacity=n, perm=routes.back,
-                                              plan=(routes.sent, routes.largest), chunk=share_chunk(m, size))
-        returned = rows < jnp.sum(routes.sent)
-        own_label = jnp.full((n,), -1, jnp.int32).at[jnp.where(returned, routes.perm, n)].set(back["label"],
+    back, _, back_overflow = send_grouped({"label": own_label}, routes.received, capacity=n, perm=routes.back,
+                                          plan=(routes.sent, routes.largest), chunk=share_chunk(m, size))
+    returned = jnp.arange(n, dtype=jnp.int32) < jnp.sum(routes.sent)
+    home_labels = jnp.full((n,), -1, jnp.int32).at[jnp.where(returned, routes.perm, n)].set(back["label"],
                                                                                             mode="drop")
-        overflow = overflow | back_overflow
-    needed = jnp.stack([links.num_edges, halo_needed, groups_needed, rows_needed]).astype(jnp.int32)
-    overflow = overflow | jnp.any(needed > jnp.array(available, jnp.int32))
-    return FofResult(own_label, catalogue, overflow, needed)
+    needed = jnp.stack([linked.num_edges, jnp.maximum(halo.needed, piece_needed), groups_needed,
+                        result.needed]).astype(jnp.int32)
+    overflow = result.overflow | halo.overflow | piece_overflow | back_overflow | \
+        jnp.any(needed > jnp.array(available, jnp.int32))
+    steps = linked.steps._replace(ghosts=halo.steps, merges=merges)
+    return FofResult(home_labels, catalogue, overflow, needed), steps
+
+
+def fof_steps(part: Any, linking_length: float, **options: Any) -> tuple[dict[str, int], FofResult]:
+    """The sequential loop steps of one :func:`fof` call on one device, and its result (a diagnostic for tests and
+    benchmarks).
+
+    On a GPU every loop step costs a fixed fraction of a millisecond whatever it holds, so these counts, not the
+    work, set the time of a large call. Runs ``fof`` under ``jax.jit`` with the given keyword ``options`` (``box``,
+    ``tuning``, capacities, ...).
+
+    Returns:
+        ``(steps, result)``: ``steps`` is ``{"sort", "links", "sweeps", "hooks", "jumps", "ghosts", "merges"}``,
+        the rounds of the counting sort, the steps of the link search, the passes of the component search with
+        their hooking and pointer-jumping steps, and (on several devices, else 0) the steps of the ghost selection
+        and the rounds of the label merge; ``result`` is the call's :class:`FofResult`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from shardax.particles import Particles
+        >>> pos = jnp.array([[0.0, 0, 0], [0.1, 0, 0], [0.5, 0, 0], [0.55, 0, 0]])
+        >>> steps, res = fof_steps(Particles(pos=pos, num=jnp.int32(4)), 0.2, min_members=2, tuning="gpu")
+        >>> steps["links"], res.labels.tolist()
+        (1, [0, 0, 2, 2])
+    """
+    defaults = {"box": None, "min_members": 20, "max_groups": None, "edge_capacity": None, "halo_capacity": None,
+                "sort_capacity": None, "tuning": None}
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        raise TypeError(f"fof_steps: unexpected options {unknown}; it takes {sorted(defaults)}")
+    kw = {**defaults, **options}
+    result, steps = jax.jit(lambda p: _fof(p, linking_length, **kw))(part)
+    return {name: int(value) for name, value in steps._asdict().items()}, result
 
 
 _CONSTRUCTED: dict[tuple[Mesh | None, bool], Callable[..., FofResult]] = {}
@@ -352,13 +430,14 @@ def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., 
                 worst = jnp.max(every[:, :-1], axis=0)
                 return res, (worst[0], worst[1:], jnp.sum(every[:, -1]))
 
-            fn = smap(body, in_specs=(ALL,), out_specs=(ALL, P()), mesh=mesh, jit=jit)
+            fn = smap(body, in_specs=(ALL,), out_specs=(ALL, P()), mesh=mesh, jit=jit, name="fof.smap")
             cache[key] = fn
         return fn
 
     def call(part: Any, linking_length: float, *, box: Any = None, min_members: int = 20,
              max_groups: int | None = None, edge_capacity: int | None = None, halo_capacity: int | None = None,
-             sort_capacity: int | None = None, tuning: Tuning = DEFAULT_TUNING) -> FofResult:
+             sort_capacity: int | None = None, tuning: Tuning | TuningName | None = None) -> FofResult:
+        tuning = resolve(tuning, "fof.smap")
         if getattr(part, "pos", None) is None or not hasattr(part, "num") or jnp.ndim(part.pos) != 3:
             raise ValueError("fof.smap: part must be a global particle pytree with pos of shape (ndev, n, d) "
                              "(e.g. from shardax.particles.from_numpy); call fof() for the local view")

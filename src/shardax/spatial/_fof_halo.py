@@ -61,6 +61,7 @@ class Halo(NamedTuple):
     largest: jax.Array  # the largest count any rank sent any rank (the rounds of an exchange over these routes)
     needed: jax.Array  # rows the send or the receive side needed
     overflow: jax.Array
+    steps: jax.Array  # loop steps of the selection of the rows to send
 
 
 def boundary_chunks(capacity: int, size: int) -> tuple[int, ...]:
@@ -167,10 +168,11 @@ def exchange_ghosts(pos: jax.Array, ids: jax.Array, pieces: Pieces, linking_leng
     particles near the surface of this device's piece times the few cells across it, not every particle times
     every cell of the surface.
 
-    ``chunk``: rows tested per loop step. Each step costs tens of microseconds of fixed overhead on XLA:CPU, so
-    larger steps are cheaper up to a point: on 1e6 uniform points (about 2000 rows per cell) FoF took 1061, 1020,
-    1024 and 1318 ms on 8 CPU devices with 256, 512, 1024 and 1536 rows (past 1024 XLA's per-step code gets much
-    slower); 512 keeps away from that edge.
+    ``chunk``: rows tested per loop step (``FofTuning.ghost_chunk``). Each step costs tens of microseconds of
+    fixed overhead on XLA:CPU, so larger steps are cheaper up to a point: on 1e6 uniform points (about 2000 rows
+    per cell) FoF took 1061, 1020, 1024 and 1318 ms on 8 CPU devices with 256, 512, 1024 and 1536 rows (past 1024
+    XLA's per-step code gets much slower); the CPU preset's 512 keeps away from that edge. On a GPU a step costs
+    a fixed fraction of a millisecond whatever it holds, so its preset tests a cell's rows in one step.
     """
     n, dim = pos.shape
     # A little slack: sending a far particle costs a row, missing a near one would cost a link.
@@ -232,7 +234,7 @@ def exchange_ghosts(pos: jax.Array, ids: jax.Array, pieces: Pieces, linking_leng
     received = jnp.sum(recv_counts)
     return Halo(send_row, send_dest, jnp.minimum(send_num, capacity), send_counts, got["pos"], got["ids"],
                 jnp.minimum(received, capacity), recv_counts, largest, jnp.maximum(send_num, received),
-                overflow | (send_num > capacity))
+                overflow | (send_num > capacity), steps_end[-1])
 
 
 def segment_min_labels(labels: jax.Array, component: jax.Array) -> jax.Array:
@@ -241,8 +243,10 @@ def segment_min_labels(labels: jax.Array, component: jax.Array) -> jax.Array:
     return jax.ops.segment_min(labels, component, n)[component]
 
 
-def merge_labels(labels: jax.Array, component: jax.Array, halo: Halo, n: int, capacity: int) -> jax.Array:
-    """Settle labels across devices: `(n + h,)` labels of own rows then ghosts, minimum over each global group.
+def merge_labels(labels: jax.Array, component: jax.Array, halo: Halo, n: int,
+                 capacity: int) -> tuple[jax.Array, jax.Array]:
+    """Settle labels across devices: `(n + h,)` labels of own rows then ghosts, minimum over each global group, and
+    the number of rounds it took.
 
     Each round sends the ghosts' labels back to their owners and the owners' labels out to their ghosts, along the
     fixed routes of the ghost exchange (no sorting), with a minimum over each local component after each.
@@ -251,8 +255,8 @@ def merge_labels(labels: jax.Array, component: jax.Array, halo: Halo, n: int, ca
     sent = jnp.arange(capacity, dtype=jnp.int32) < halo.send_num
     chunk = boundary_chunks(capacity, halo.send_counts.shape[0])
 
-    def step(state: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        labels, _ = state
+    def step(state: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        labels, _, rounds = state
         old = labels
         back, _, _ = send_grouped({"label": labels[n:]}, halo.recv_counts, capacity=capacity,
                                   plan=(halo.send_counts, halo.largest), chunk=chunk)
@@ -263,10 +267,10 @@ def merge_labels(labels: jax.Array, component: jax.Array, halo: Halo, n: int, ca
         ghosts = jnp.where(ghost_valid, jnp.minimum(labels[n:], fwd["label"]), INT_MAX)
         labels = segment_min_labels(jnp.concatenate([labels[:n], ghosts]), component)
         changed = allreduce(jnp.any(labels != old).astype(jnp.int32), "max")
-        return labels, changed
+        return labels, changed, rounds + 1
 
-    labels, _ = lax.while_loop(lambda s: s[1] > 0, step, (labels, jnp.int32(1)))
-    return labels
+    labels, _, rounds = lax.while_loop(lambda s: s[1] > 0, step, (labels, jnp.int32(1), jnp.int32(0)))
+    return labels, rounds
 
 
 def boundary_totals(parts: Partial, label: jax.Array, boundary: jax.Array, rank: Any, size: int, capacity: int,

@@ -18,11 +18,19 @@ capacity.
 Components. Hook-and-compress over the live edges only (the FastSV scheme): every edge lowers the parent of its
 larger label to its smaller label by a scatter-min, then pointer jumping flattens the trees, until both ends of
 every edge share a label. Labels converge to the smallest sorted row of each component.
+
+Tuning. The static sizes live in a :class:`Tuning` with a preset per backend (:data:`PRESETS`): on XLA:CPU small
+steps that fit a cache and the counting sort; on a GPU, where every sequential loop step costs a fixed fraction of
+a millisecond whatever it holds, steps of a sizeable share of the problem (bounded by
+:func:`~shardax.runtime._backend.step_bytes`), a comparison sort whose sorted keys give the cell-start table
+(no scatter-add piling onto a few cells), and the candidate runs recomputed per step instead of a table of them
+(memory). Every choice gives the same pairs and labels; each kernel counts its sequential steps (:class:`Steps`).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from typing import NamedTuple
 
 import jax
@@ -31,6 +39,7 @@ from jax import lax
 
 from ..core._vary import vary_like
 from ..particles._sort import argsort_words
+from ..runtime._backend import resolve_tuning, step_bytes
 from ._grid import Domain, Grid, cell_coords, cell_keys, open_domain
 
 # Cell keys are int32: the product of the cell counts must stay below 2**31.
@@ -38,16 +47,82 @@ _MAX_CELLS = {2: 2**15 - 1, 3: 2**10 - 1}
 
 
 class Tuning(NamedTuple):
-    """Static sizes of the pair search (changing them recompiles)."""
+    """Static sizes and algorithm choices of friends-of-friends (``sx.spatial.FofTuning``; changing them recompiles).
 
-    per_cell: float = 0.25  # points per cell when the linking length allows cells that small
-    table: float = 4.0  # cells of the cell-start table per point row (bounds the cell count)
-    slots: int = 65536  # candidate pairs tested per step
-    edge_chunk: int = 65536  # edges hooked per step of the component search
-    rank_rounds: int = 16  # counting sort: most points per cell before falling back to a comparison sort
+    Every setting gives the same labels; they trade steps, memory and time. ``fof(..., tuning=None)`` takes the
+    preset of the backend (:data:`PRESETS`: ``"cpu"`` on XLA:CPU, ``"gpu"`` elsewhere, ``SHARDAX_TUNING``
+    overrides), ``"cpu"`` / ``"gpu"`` name a preset, and a ``Tuning`` of your own is used as given (start from a
+    preset with ``_replace``).
+
+    Attributes:
+        per_cell: points per cell of the link grid when the linking length allows cells that small.
+        table: cells of the cell-start table per point row (bounds the cell count).
+        slots: candidate pairs tested per step of the link search, at most.
+        edge_chunk: edges hooked per step of the component search, at most.
+        rank_rounds: counting sort: most points per cell before a comparison sort takes over; 0 always sorts by
+            comparison and reads the cell-start table off the sorted keys (no scatter-add into crowded cells).
+        step_rows: when positive, ``slots`` and ``edge_chunk`` are also at most this many per point row of the
+            problem (a step's buffers then scale with the problem, not with the device).
+        run_table: keep every point's candidate runs in a table (fast on CPU) instead of recomputing the runs
+            of each step's points (about 280 bytes per point less in a periodic 3D box).
+        ghost_chunk: own rows tested per step of the ghost selection (several devices).
+
+    Example:
+        >>> import shardax as sx
+        >>> sx.spatial.FofTuning().slots, sx.spatial.FofTuning()._replace(slots=1 << 20).slots
+        (65536, 1048576)
+    """
+
+    per_cell: float = 0.25
+    table: float = 4.0
+    slots: int = 65536
+    edge_chunk: int = 65536
+    rank_rounds: int = 16
+    step_rows: float = 0.0
+    run_table: bool = True
+    ghost_chunk: int = 512
 
 
 DEFAULT_TUNING = Tuning()
+# One step holds a fifth of the problem's rows in candidates (1e6 uniform points at b = 0.2: ~3.4 candidates per
+# point, 17 steps of 0.2e6 -> 7 steps of 0.5e6) and all of its edges at once, within the device's step budget.
+GPU_TUNING = Tuning(slots=1 << 24, edge_chunk=1 << 24, rank_rounds=0, step_rows=0.5, run_table=False,
+                    ghost_chunk=1 << 14)
+PRESETS = {"cpu": DEFAULT_TUNING, "gpu": GPU_TUNING}
+
+# Bytes of the buffers of one candidate slot in a step of the link search (point, run, candidate, distance, hit,
+# and the runs recomputed for its point), and of one edge in a hooking step.
+_SLOT_BYTES = 160
+_EDGE_BYTES = 48
+
+
+def resolve(tuning: Tuning | str | None, where: str = "fof") -> Tuning:
+    """The :class:`Tuning` a call runs with: ``tuning`` itself, a named preset, or the backend's for ``None``."""
+    return resolve_tuning(tuning, PRESETS, Tuning, where)
+
+
+def step_sizes(tuning: Tuning, rows: int) -> tuple[int, int]:
+    """``(slots, edge_chunk)`` of a problem of ``rows`` point rows: the tuning's, within the step memory budget
+    (:func:`~shardax.runtime._backend.step_bytes`) and, with ``step_rows``, within ``step_rows * rows``."""
+    budget = step_bytes()
+    slots = min(tuning.slots, max(budget // _SLOT_BYTES, 1024))
+    edges = min(tuning.edge_chunk, max(budget // _EDGE_BYTES, 1024))
+    if tuning.step_rows > 0:
+        per_problem = max(math.ceil(tuning.step_rows * rows), 4096)
+        slots, edges = min(slots, per_problem), min(edges, per_problem)
+    return max(slots, 1), max(edges, 1)
+
+
+class Steps(NamedTuple):
+    """Sequential loop steps of one call on one device (int32 scalars; diagnostics, see ``_fof.fof_steps``)."""
+
+    sort: jax.Array  # rounds of the counting sort (0: sorted by comparison)
+    links: jax.Array  # steps of the link search
+    sweeps: jax.Array  # hook-and-compress passes of the components
+    hooks: jax.Array  # hooking steps, all passes
+    jumps: jax.Array  # pointer-jumping steps, all passes
+    ghosts: jax.Array  # steps of the ghost selection (0 on one device)
+    merges: jax.Array  # rounds of the label merge across devices (0 on one device)
 
 
 class Links(NamedTuple):
@@ -56,6 +131,7 @@ class Links(NamedTuple):
     first: jax.Array  # (edge_capacity,) int32, -1 past num_edges
     second: jax.Array  # (edge_capacity,) int32
     num_edges: jax.Array  # int32 pairs found (may exceed edge_capacity: overflow)
+    steps: jax.Array  # int32 steps of the search loop
 
 
 class LinkSpace(NamedTuple):
@@ -134,14 +210,16 @@ def piece_space(pos: jax.Array, valid: jax.Array, box: jax.Array, linking_length
 
 class SortedPoints(NamedTuple):
     """Valid points sorted by cell key (padding last): keys `(n,)` (``table_cells`` for padding), original rows
-    `(n,)`, positions `(n, d)`, cell coordinates `(n, d)`, and ``starts (table_cells + 1,)``: the first sorted row
-    of each cell key (the number of valid points for keys past the last point)."""
+    `(n,)`, positions `(n, d)`, cell coordinates `(n, d)`, ``starts (table_cells + 1,)``: the first sorted row
+    of each cell key (the number of valid points for keys past the last point), and ``rounds``: the counting
+    sort's rounds (0 when sorted by comparison)."""
 
     keys: jax.Array
     rows: jax.Array
     pos: jax.Array
     coords: jax.Array
     starts: jax.Array
+    rounds: jax.Array
 
 
 def link_grid(space: LinkSpace, num: jax.Array, linking_length: jax.Array, per_cell: float, max_cells: int,
@@ -188,6 +266,17 @@ def _cumsum(x: jax.Array, width: int = 128) -> jax.Array:
     return (within + before[:, None]).reshape(-1)[:n]
 
 
+def _starts_of_sorted(keys: jax.Array, table_cells: int, num: jax.Array) -> jax.Array:
+    """The cell-start table `(table_cells + 1,)` of keys sorted ascending (padding ``table_cells`` last): each
+    cell's first row is written once by the row that opens it (distinct addresses), and a reverse running minimum
+    gives the empty cells the start of the next occupied one (``num``, the valid rows, past the last)."""
+    n = keys.shape[0]
+    opens = jnp.concatenate([jnp.ones((1,), bool), keys[1:] != keys[:-1]]) & (keys < table_cells)
+    first = jnp.full((table_cells + 1,), num, jnp.int32)
+    first = first.at[jnp.where(opens, keys, table_cells + 1)].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+    return lax.cummin(first, reverse=True)
+
+
 def sort_points(pos: jax.Array, valid: jax.Array, space: LinkSpace, grid: Grid, table_cells: int,
                 rounds: int = DEFAULT_TUNING.rank_rounds, grid_pos: jax.Array | None = None) -> SortedPoints:
     """Valid rows of ``pos`` sorted by cell key (order within a cell unspecified), on a grid of at most
@@ -197,27 +286,34 @@ def sort_points(pos: jax.Array, valid: jax.Array, space: LinkSpace, grid: Grid, 
     A counting sort: a point goes to the first row of its cell plus its rank within the cell. Ranks are dealt out
     in rounds (each round, the largest row still waiting in each cell takes the next rank), a round per point of
     the fullest cell. With more than ``rounds`` points in a cell, or more than a quarter of the points sharing
-    cells, a comparison sort takes over; ``rounds = 0`` always sorts by comparison. (XLA's CPU sort of keys with a
-    payload is several times slower than these rounds for the fraction of a point per cell of a link grid.)
+    cells, a comparison sort takes over. (XLA's CPU sort of keys with a payload is several times slower than these
+    rounds for the fraction of a point per cell of a link grid.) ``rounds = 0`` always sorts by comparison, and
+    the cell-start table comes from the sorted keys instead of a count per cell: no loop, and no scatter-add that
+    piles onto the cells of a clump (or the padding's key), which serialises on a GPU.
     """
     n = pos.shape[0]
     idx = jnp.arange(n, dtype=jnp.int32)
     coords = cell_coords(pos if grid_pos is None else grid_pos, space.domain, grid)
     keys = jnp.where(valid, cell_keys(coords, grid), table_cells)
-    counts = jnp.zeros((table_cells + 1,), jnp.int32).at[keys].add(1)
-    starts = _cumsum(counts) - counts  # exclusive: starts[table_cells] = number of valid points
 
     def comparison() -> jax.Array:  # stable by key (keys are non-negative), one packed sort
         return argsort_words(keys)
 
     if rounds < 1:
         rows = comparison()
-        return SortedPoints(keys[rows], rows, pos[rows], coords[rows], starts)
+        sorted_keys = keys[rows]
+        starts = _starts_of_sorted(sorted_keys, table_cells, jnp.sum(valid, dtype=jnp.int32))
+        return SortedPoints(sorted_keys, rows, pos[rows], coords[rows], starts, jnp.int32(0))
+
+    # Padding rows are not counted (their key's count is never read): no scatter onto one address.
+    counts = jnp.zeros((table_cells + 1,), jnp.int32).at[jnp.where(valid, keys, table_cells + 1)].add(1, mode="drop")
+    starts = _cumsum(counts) - counts  # exclusive: starts[table_cells] = number of valid points
 
     # Round 0 over all points; most points are alone in their cell (or the largest row of it), so the later
     # rounds deal with a compacted remainder of at most `spare` points. Tickets of round r exceed every ticket of
     # earlier rounds, so the table of winners is never cleared.
-    top = jnp.full((table_cells + 1,), -1, jnp.int32).at[keys].max(idx)
+    top = jnp.full((table_cells + 1,), -1, jnp.int32).at[jnp.where(valid, keys, table_cells + 1)].max(idx,
+                                                                                                        mode="drop")
     remaining = valid & (top[keys] != idx)
     spare = min(n, n // 4 + 1024)
     (sub,) = jnp.nonzero(remaining, size=spare, fill_value=n)
@@ -237,7 +333,7 @@ def sort_points(pos: jax.Array, valid: jax.Array, space: LinkSpace, grid: Grid, 
         return r + 1, jnp.where(won, r, rank), left & ~won, top
 
     init = (jnp.int32(1), vary_like(jnp.zeros((spare,), jnp.int32), pos), sub < n, top)
-    _, sub_rank, left, _ = lax.while_loop(waiting, deal, init)
+    dealt, sub_rank, left, _ = lax.while_loop(waiting, deal, init)
     rank = jnp.zeros((n,), jnp.int32).at[sub].set(sub_rank, mode="drop")
     fallback = (jnp.sum(remaining, dtype=jnp.int32) > spare) | jnp.any(left)
 
@@ -247,7 +343,7 @@ def sort_points(pos: jax.Array, valid: jax.Array, space: LinkSpace, grid: Grid, 
         return jnp.zeros((n,), jnp.int32).at[at].set(idx)
 
     rows = lax.cond(fallback, comparison, counting)
-    return SortedPoints(keys[rows], rows, pos[rows], coords[rows], starts)
+    return SortedPoints(keys[rows], rows, pos[rows], coords[rows], starts, dealt - 1)
 
 
 def dist2(a: jax.Array, b: jax.Array, box: jax.Array | None) -> jax.Array:
@@ -270,9 +366,10 @@ def _forward_rows(dim: int) -> list[tuple[int, ...]]:
     return [tuple(0 for _ in range(dim - 1)), *forward]
 
 
-def _runs(points: SortedPoints, num: jax.Array, starts: jax.Array, grid: Grid,
-          space: LinkSpace) -> tuple[jax.Array, jax.Array]:
-    """Start and length `(n, R)` of every run of forward candidates of each sorted point.
+def _runs(coords: jax.Array, idx: jax.Array, num: jax.Array, starts: jax.Array, grid: Grid,
+          space: LinkSpace) -> list[tuple[jax.Array, jax.Array]]:
+    """Start and length `(k,)` of each of the ``R`` runs of forward candidates of the sorted points ``idx (k,)``
+    (cell coordinates ``coords (k, d)``).
 
     Own row: the points after this one in its own cell and the next cell (and, periodic, cell 0 after the last
     cell). Forward rows (half of the neighbouring rows): cells ``x - 1 .. x + 1`` of the row (periodic: the cell
@@ -282,24 +379,22 @@ def _runs(points: SortedPoints, num: jax.Array, starts: jax.Array, grid: Grid,
     mix of open and periodic axes it has, so one compiled search serves them all.
     """
     periodic = space.box is not None
-    n, dim = points.coords.shape
-    idx = jnp.arange(n, dtype=jnp.int32)
-    cx = points.coords[:, 0]
+    dim = coords.shape[1]
+    cx = coords[:, 0]
     gx = grid.cells[0]
     live = idx < num
     wrap_ok = space.wrap[0] & (gx >= 3)
-    run_start, run_len = [], []
+    runs = []
 
     def add(lo: jax.Array, hi: jax.Array, ok: jax.Array) -> None:
-        run_start.append(lo)
-        run_len.append(jnp.where(ok & live, jnp.maximum(hi - lo, 0), 0))
+        runs.append((lo, jnp.where(ok & live, jnp.maximum(hi - lo, 0), 0)))
 
     for r, offset in enumerate(_forward_rows(dim)):
         base = jnp.zeros_like(cx)
         ok = jnp.ones_like(cx, dtype=bool)
         for axis, off in enumerate(offset, start=1):
             g = grid.cells[axis]
-            c = points.coords[:, axis] + off
+            c = coords[:, axis] + off
             inside = (c >= 0) & (c < g)
             if periodic:
                 # On an axis of one cell every offset is the row itself, which offset 0 already covers.
@@ -319,7 +414,7 @@ def _runs(points: SortedPoints, num: jax.Array, starts: jax.Array, grid: Grid,
             if periodic:
                 wrap = base + jnp.where(cx == 0, gx - 1, 0)
                 add(starts[wrap], starts[wrap + 1], ok & wrap_ok & ((cx == 0) | (cx == gx - 1)))
-    return jnp.stack(run_start, axis=1), jnp.stack(run_len, axis=1)
+    return runs
 
 
 def find_links(points: SortedPoints, num: jax.Array, linking_length: jax.Array, space: LinkSpace, grid: Grid, *,
@@ -327,9 +422,12 @@ def find_links(points: SortedPoints, num: jax.Array, linking_length: jax.Array, 
     """All pairs of the first ``num`` sorted points closer than (or at) the linking length, each pair at least once.
 
     Every point's forward candidates (:func:`_runs`) are numbered one after another over all points; a step tests
-    ``tuning.slots`` consecutive candidate numbers (slot -> point by a scatter and a cumulative sum over a window of
-    points, point -> run by comparing with the point's cumulative run lengths) and appends its pairs to the edge
-    list. Work is proportional to the number of candidates whatever the clustering.
+    the next ``slots`` candidate numbers (:func:`step_sizes`) and appends its pairs to the edge list. A slot finds
+    its point by a scatter of the window's point starts and a cumulative sum, and its run by comparing with the
+    point's cumulative run lengths (from a table of every point's runs with ``tuning.run_table``, else recomputed
+    for the step's points); the first point of the next step is counted from the window, not searched for. Work is
+    proportional to the number of candidates whatever the clustering, and a step is a fixed set of wide
+    operations (no loop inside the loop).
 
     Args:
         points: points sorted on ``grid`` (:func:`sort_points`).
@@ -344,56 +442,77 @@ def find_links(points: SortedPoints, num: jax.Array, linking_length: jax.Array, 
         :class:`Links` in sorted-row numbering; ``num_edges > edge_capacity`` means pairs were lost.
     """
     n = points.pos.shape[0]
-    slots = tuning.slots
+    slots, _ = step_sizes(tuning, n)
     ll2 = (linking_length * linking_length).astype(points.pos.dtype)
-    run_start, run_len = _runs(points, num, points.starts, grid, space)
-    run_end = jnp.cumsum(run_len, axis=1)  # (n, R) candidate numbers within the point, end of each run
-    total = run_end[:, -1]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    runs = _runs(points.coords, idx, num, points.starts, grid, space)
+    total = sum(length for _, length in runs)
+    assert isinstance(total, jax.Array)
     point_end = jnp.cumsum(total)  # (n,) inclusive
     point_begin = point_end - total
     # Candidate numbers are int32: with 2**31 candidates or more (a clump of ~65000 points within a few cells),
     # search nothing and report an edge count no capacity can hold.
     too_many = jnp.sum(total.astype(jnp.float32)) >= 2.0**31 * 0.999
     num_slots = jnp.where(too_many, 0, point_end[-1])
-    # j = shift[point, run] + candidate number within the point
-    lookup = jnp.concatenate([run_end, run_start - (run_end - run_len)], axis=1)
-    num_runs = run_len.shape[1]
+    num_runs = len(runs)
+    if tuning.run_table:
+        # j = shift[point, run] + candidate number within the point
+        run_start = jnp.stack([start for start, _ in runs], axis=1)
+        run_len = jnp.stack([length for _, length in runs], axis=1)
+        run_end = jnp.cumsum(run_len, axis=1)
+        lookup = jnp.concatenate([run_end, run_start - (run_end - run_len)], axis=1)
     window = jnp.arange(slots, dtype=jnp.int32)
     begin_pad = jnp.concatenate([point_begin, jnp.full((slots + 1,), num_slots, point_begin.dtype)])
+
+    def candidate(qi: jax.Array, k: jax.Array) -> jax.Array:
+        """`(slots,)` sorted row of the ``k``-th forward candidate of each slot's point ``qi``."""
+        if tuning.run_table:
+            row = lookup[qi]
+            which = jnp.minimum(jnp.sum(k[:, None] >= row[:, :num_runs], axis=1, dtype=jnp.int32), num_runs - 1)
+            return jnp.take_along_axis(row[:, num_runs:], which[:, None], axis=1)[:, 0] + k
+        # The runs of the step's points, one at a time (elementwise: one fused pass, no (slots, R) buffers).
+        before = jnp.zeros_like(k)
+        found = jnp.zeros_like(k)
+        for start, length in _runs(points.coords[qi], qi, num, points.starts, grid, space):
+            found = jnp.where((k >= before) & (k < before + length), start + (k - before), found)
+            before = before + length
+        return found
 
     def cond(state: tuple[jax.Array, ...]) -> jax.Array:
         return state[0] < num_slots
 
     def step(state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        slot0, first_out, second_out, count = state
-        # This step covers the candidates of points p0 .. p0 + slots - 1 from slot0 on (at most `slots` of them).
-        p0 = jnp.searchsorted(point_end, slot0, side="right").astype(jnp.int32)
+        slot0, p0, first_out, second_out, count, steps = state
+        # p0 is the first point with candidates from slot0 on (or an earlier one without any). This step covers
+        # the candidates of points p0 .. p0 + slots - 1 from slot0 on, at most `slots` of them.
         mine = lax.dynamic_slice(begin_pad, (p0,), (slots + 1,))
         stop = jnp.minimum(slot0 + slots, mine[-1])
-        marks = jnp.zeros((slots,), jnp.int32).at[jnp.maximum(mine[:-1] - slot0, 0)].add(1, mode="drop")
+        starting = jnp.where(mine[:-1] < stop, jnp.maximum(mine[:-1] - slot0, 0), slots)
+        marks = jnp.zeros((slots,), jnp.int32).at[starting].add(1, mode="drop")
         qi = jnp.minimum(p0 + jnp.cumsum(marks) - 1, n - 1)
         s = slot0 + window
         live = s < stop
-        k = s - point_begin[qi]
-        row = lookup[qi]
-        which = jnp.minimum(jnp.sum(k[:, None] >= row[:, :num_runs], axis=1, dtype=jnp.int32), num_runs - 1)
-        cj = jnp.take_along_axis(row[:, num_runs:], which[:, None], axis=1)[:, 0] + k
-        cj = jnp.where(live, cj, 0)
+        cj = jnp.where(live, candidate(qi, s - point_begin[qi]), 0)
         d2 = dist2(points.pos[qi][:, None, :], points.pos[cj][:, None, :], space.box)[:, 0, 0]
         hit = live & (d2 <= ll2)
         at = jnp.where(hit, count + jnp.cumsum(hit.astype(jnp.int32)) - 1, edge_capacity)
         first_out = first_out.at[at].set(qi, mode="drop")
         second_out = second_out.at[at].set(cj, mode="drop")
-        return stop, first_out, second_out, count + jnp.sum(hit, dtype=jnp.int32)
+        # Points of the window whose candidates all lie before `stop` (point ends are the next points' starts).
+        done = jnp.sum(mine[1:] <= stop, dtype=jnp.int32)
+        return stop, p0 + done, first_out, second_out, count + jnp.sum(hit, dtype=jnp.int32), steps + 1
 
-    init = tuple(vary_like(x, points.pos) for x in (jnp.int32(0), jnp.full((edge_capacity,), -1, jnp.int32),
-                                                     jnp.full((edge_capacity,), -1, jnp.int32), jnp.int32(0)))
-    _, first_out, second_out, count = lax.while_loop(cond, step, init)
-    return Links(first_out, second_out, jnp.where(too_many, jnp.iinfo(jnp.int32).max, count))
+    init = tuple(vary_like(x, points.pos) for x in (jnp.int32(0), jnp.int32(0),
+                                                     jnp.full((edge_capacity,), -1, jnp.int32),
+                                                     jnp.full((edge_capacity,), -1, jnp.int32), jnp.int32(0),
+                                                     jnp.int32(0)))
+    _, _, first_out, second_out, count, steps = lax.while_loop(cond, step, init)
+    return Links(first_out, second_out, jnp.where(too_many, jnp.iinfo(jnp.int32).max, count), steps)
 
 
-def components(links: Links, n: int, chunk: int = DEFAULT_TUNING.edge_chunk) -> jax.Array:
-    """Smallest node of each node's connected component, `(n,)` int32 (nodes are ``0..n-1``).
+def components(links: Links, n: int, chunk: int = DEFAULT_TUNING.edge_chunk) -> tuple[jax.Array, jax.Array]:
+    """Smallest node of each node's connected component, `(n,)` int32 (nodes are ``0..n-1``), and the loop steps
+    ``(3,)`` int32: passes, hooking steps and pointer-jumping steps.
 
     Hook and compress: a pass over the live edges, ``chunk`` at a time, lowers the parent of the larger of each edge's
     two parents to the smaller (a scatter-min), then pointer jumping flattens the trees; passes repeat until a pass
@@ -406,8 +525,9 @@ def components(links: Links, n: int, chunk: int = DEFAULT_TUNING.edge_chunk) -> 
     num_chunks = (count + chunk - 1) // chunk
     offsets = jnp.arange(chunk, dtype=jnp.int32)
 
-    def compress(parent: jax.Array) -> jax.Array:
-        return lax.while_loop(lambda p: jnp.any(p[p] != p), lambda p: p[p], parent)
+    def compress(parent: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return lax.while_loop(lambda s: jnp.any(s[0][s[0]] != s[0]), lambda s: (s[0][s[0]], s[1] + 1),
+                              (parent, vary_like(jnp.int32(0), parent)))
 
     def hook(c: jax.Array, state: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         parent, changed = state
@@ -421,11 +541,13 @@ def components(links: Links, n: int, chunk: int = DEFAULT_TUNING.edge_chunk) -> 
         parent = parent.at[jnp.where(differ, jnp.maximum(pa, pb), n)].min(jnp.minimum(pa, pb), mode="drop")
         return parent, changed | jnp.any(differ)
 
-    def sweep(state: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        parent, _ = state
+    def sweep(state: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        parent, _, steps = state
         parent, changed = lax.fori_loop(0, num_chunks, hook, (parent, vary_like(jnp.zeros((), bool), parent)))
-        return compress(parent), changed
+        parent, jumps = compress(parent)
+        return parent, changed, steps + jnp.stack([jnp.int32(1), num_chunks, jumps])
 
     parent = vary_like(jnp.arange(n, dtype=jnp.int32), links.first)
-    parent, _ = lax.while_loop(lambda s: s[1], sweep, (parent, vary_like(jnp.ones((), bool), parent)))
-    return parent
+    init = (parent, vary_like(jnp.ones((), bool), parent), vary_like(jnp.zeros((3,), jnp.int32), parent))
+    parent, _, steps = lax.while_loop(lambda s: s[1], sweep, init)
+    return parent, steps
