@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardax as sx
 from conftest import make_mesh
+from shardax.comm._alltoallv import COMPARE_RANKS, count_by_rank
 from shardax.testing import assert_allclose
 from test_fields_reference import binned_numpy, cic_numpy, readout_numpy
 
@@ -76,7 +78,7 @@ def test_local_view_without_mesh() -> None:
                     dtype=np.float32)
 
 
-def _gaussian_field(n: int, box: float, seed: int) -> tuple[np.ndarray, callable]:
+def _gaussian_field(n: int, box: float, seed: int) -> tuple[np.ndarray, Callable[[np.ndarray], np.ndarray]]:
     """A Gaussian random field with P(k) = 2000 (k / 0.1)^-1.5 (in box units), and that P."""
     def power(k):
         return 2000.0 * (np.maximum(k, 1e-12) / 0.1) ** -1.5
@@ -139,3 +141,38 @@ def test_bad_input() -> None:
         sx.fields.local_power_spectrum(jnp.zeros((8, 8, 8), jnp.complex64), box=1.0, bins=4)
     with pytest.raises(ValueError, match="increasing edges"):
         sx.fields.bin_edges([0.3, 0.1], (8, 8, 8), 1.0)
+
+
+def test_one_device_paint_runs_no_exchange() -> None:
+    """On a mesh of one device the global paint and readout keep the rows in place: no sort, no collective rounds."""
+    mesh = make_mesh((1,))
+    part = sx.particles.from_numpy(np.random.default_rng(3).random((300, 3)), mesh=mesh)
+    for fn in (lambda p: sx.fields.paint(p, (8, 8, 8), box=1.0, mesh=mesh),
+               lambda p: sx.fields.readout(jnp.ones((8, 8, 8)), p, box=1.0, mesh=mesh, spec=P("x"))):
+        text = jax.jit(fn).trace(part).lower().as_text()
+        assert "stablehlo.sort" not in text and "all_to_all" not in text and "while" not in text
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+@pytest.mark.parametrize("size", [3, COMPARE_RANKS + 5])
+def test_count_by_rank_matches_bincount(size: int, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHARDAX_TUNING", backend)  # the GPU preset counts without a scatter-add
+    key = np.random.default_rng(size).integers(-2, size + 3, 1000)
+    expected = np.bincount(key[(key >= 0) & (key < size)], minlength=size)
+    np.testing.assert_array_equal(count_by_rank(jnp.asarray(key, jnp.int32), size), expected)
+
+
+def test_exchange_on_one_device_drops_bad_destinations() -> None:
+    """Rows sent to a rank outside the mesh are dropped and the rest close up, as on several devices."""
+    mesh = make_mesh((1,))
+    dest = jnp.array([[0, 3, 0, -1, 0, 0]], jnp.int32)
+    pos = jnp.arange(6.0)[None]
+
+    def body(pos: jax.Array, dest: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        tree, num, overflow = sx.comm.exchange({"pos": pos[0]}, dest[0], num=5, capacity=4)
+        return tree["pos"][None], num[None], overflow[None]
+
+    moved, num, overflow = sx.smap(body, in_specs=(P("x"), P("x")), out_specs=P("x"), mesh=mesh,
+                                      expand=False)(pos, dest)
+    np.testing.assert_array_equal(moved[0], [0.0, 2.0, 4.0, 0.0])
+    assert int(num[0]) == 3 and bool(overflow[0])  # a bad destination is reported as overflow

@@ -24,12 +24,15 @@ from jax import lax
 from .._hostsort import sort
 from ..core._rank import AxisSpec, axes_size, resolve_axes
 from ..core._vary import vary_over, varying
+from ..runtime._backend import tuning_backend
 
 Impl = Literal["auto", "chunked", "ragged"]
 #: Rows per rank pair and round of the chunked path: one size, ``None`` for :func:`default_chunk`, or a ladder of
 #: sizes (a tuple) from which each call picks at run time the smallest that moves the largest count in one round
 #: (every rank knows that count, so all pick the same; see :func:`chunk_ladder`).
 Chunk = int | tuple[int, ...] | None
+#: Up to this many ranks :func:`count_by_rank` compares every row with every rank in one fused pass; beyond, it sorts.
+COMPARE_RANKS = 16
 
 
 def _exclusive_cumsum(x: jax.Array) -> jax.Array:
@@ -277,22 +280,82 @@ def _ragged(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: ja
     return outs
 
 
+def count_by_rank(key: jax.Array, size: int) -> jax.Array:
+    """`(size,)` int32 number of entries of ``key`` (`(n,)` int) equal to each rank ``0 .. size - 1`` (others are
+    not counted).
+
+    On GPUs no scatter-add: a histogram of many rows into a few bins piles every add onto the same addresses, which
+    GPUs serialise (10^7 rows into one bin take far longer than a sort of them). Up to :data:`COMPARE_RANKS` ranks,
+    one fused compare-and-sum pass over the rows; beyond, a sort of the keys and a binary search for each rank's
+    first row. XLA:CPU adds the rows one after another (no contention) and would hold the compared `(n, size)`
+    block in memory, so the CPU preset (:func:`shardax.runtime.tuning_backend`) keeps the scatter-add.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from shardax.comm._alltoallv import count_by_rank
+        >>> count_by_rank(jnp.array([2, 0, 2, 5, 2]), 3).tolist()
+        [1, 0, 3]
+    """
+    key = key.astype(jnp.int32)
+    if tuning_backend() == "cpu":
+        return jnp.zeros((size + 1,), jnp.int32).at[jnp.where((key >= 0) & (key < size), key, size)].add(1)[:size]
+    if size <= COMPARE_RANKS:
+        ranks = jnp.arange(size, dtype=jnp.int32)
+        return jnp.sum(key[:, None] == ranks[None, :], axis=0, dtype=jnp.int32)
+    return _sorted_counts(lax.sort(key), size, 1)
+
+
+def _sorted_counts(words: jax.Array, size: int, n: int) -> jax.Array:
+    """Rows of each rank in ascending ``words`` whose rank is ``word // n`` (words ``>= size * n`` not counted)."""
+    bounds = jnp.searchsorted(words, jnp.arange(size + 1, dtype=words.dtype) * n, side="left")
+    return jnp.diff(bounds).astype(jnp.int32)
+
+
 def group_by_rank(key: jax.Array, size: int, *, host: bool = False) -> tuple[jax.Array, jax.Array]:
     """``(perm, counts)``: rows grouped by ``key`` (`(n,)` int in ``[0, size]``, ``size`` for rows not sent), each
     group in row order, and the rows for each of the ``size`` ranks.
 
     One sort of a single int32 word ``key * n + row`` (XLA:CPU sorts one operand several times faster than a key
-    with a payload); a stable argsort when that word would overflow. ``host``: sort by NumPy on CPU devices
-    (:mod:`shardax._hostsort`; kernels pass it, the public ``alltoallv`` keeps programs free of host callbacks).
+    with a payload); a stable argsort when that word would overflow. The counts come from the sorted keys (a
+    binary search per rank, no histogram). ``host``: sort by NumPy on CPU devices (:mod:`shardax._hostsort`;
+    kernels pass it, the public ``alltoallv`` keeps programs free of host callbacks).
     """
     n = key.shape[0]
-    counts = jnp.zeros((size + 1,), jnp.int32).at[key].add(1)[:size]
     if (size + 1) * n < 2**31:
         word = key.astype(jnp.int32) * n + jnp.arange(n, dtype=jnp.int32)
-        perm = (sort(word) if host else lax.sort(word)) % n
-    else:
-        perm = jnp.argsort(key, stable=True).astype(jnp.int32)
-    return perm, counts
+        ordered = sort(word) if host else lax.sort(word)
+        return ordered % n, _sorted_counts(ordered, size, n)
+    perm = jnp.argsort(key, stable=True).astype(jnp.int32)
+    return perm, _sorted_counts(key.astype(jnp.int32)[perm], size, 1)
+
+
+def _local_copy(arrays: Sequence[jax.Array], count: jax.Array, capacity: int, perm: jax.Array | None,
+                recv_at: jax.Array | None, init: Sequence[jax.Array] | None, target: jax.Array | None,
+                row_maps: Sequence[Any] | None) -> list[jax.Array]:
+    """What the exchange delivers on one device: the first ``count`` rows of the send order into the receive
+    buffers (at ``recv_at[0]`` on, or at their ``target`` rows), with no rounds, counts or collectives."""
+    outs = []
+    for k, a in enumerate(arrays):
+        fn = None if row_maps is None else row_maps[k]
+        n = a.shape[0]
+        rows = jnp.arange(n, dtype=jnp.int32)
+        if perm is None and target is None and recv_at is None and init is None and fn is None:
+            # Rows stay where they are: pad or cut to the buffer and clear the rows past ``count``.
+            kept = jnp.pad(a, [(0, max(capacity - n, 0))] + [(0, 0)] * (a.ndim - 1))[:capacity]
+            live = jnp.arange(capacity) < count
+            outs.append(jnp.where(live.reshape(-1, *(1,) * (a.ndim - 1)), kept, jnp.zeros((), a.dtype)))
+            continue
+        source = a if perm is None else jnp.take(a, perm, axis=0, mode="clip")
+        source = source if fn is None else fn(source)
+        if target is not None:
+            at = target.astype(jnp.int32)
+            at = jnp.where((at >= 0) & (at < capacity), at, capacity)
+        else:
+            at = rows + (0 if recv_at is None else recv_at[0].astype(jnp.int32))
+        at = jnp.where(rows < count, at, capacity)
+        out = jnp.zeros((capacity, *source.shape[1:]), source.dtype) if init is None else jnp.asarray(init[k])
+        outs.append(out.at[at].set(source.astype(out.dtype), mode="drop"))
+    return outs
 
 
 def alltoallv_many(arrays: Sequence[jax.Array], send_counts: jax.Array, capacity: int, axes: tuple[str, ...],
@@ -309,6 +372,13 @@ def alltoallv_many(arrays: Sequence[jax.Array], send_counts: jax.Array, capacity
     send_counts = jnp.maximum(jnp.asarray(send_counts, jnp.int32), 0)
     if send_counts.shape != (size,):
         raise ValueError(f"send_counts must have shape ({size},) (one count per rank), got {send_counts.shape}")
+    if size == 1:  # nothing travels: no count exchange, no rounds
+        if axes:
+            _use_ragged(impl)  # (checks the argument)
+        recv_counts = send_counts
+        overflow = send_counts[0] + (0 if recv_at is None else recv_at[0]) > capacity
+        outs = _local_copy(arrays, send_counts[0], capacity, perm, recv_at, init, target, row_maps)
+        return vary_over(outs, axes), recv_counts, overflow
     recv_counts, largest = _exchange_counts_and_max(send_counts, axes) if plan is None else plan
     if recv_at is None:
         overflow = jnp.sum(recv_counts) > capacity
@@ -445,11 +515,21 @@ def exchange(tree: Any, dest: jax.Array, *, num: jax.Array | int, capacity: int,
     valid = rows < num
     dest = dest.astype(jnp.int32)
     bad = valid & ((dest < 0) | (dest >= size))
-    order, send_counts = group_by_rank(jnp.where(valid & ~bad, dest, size), size)
     leaves, treedef = jax.tree.flatten(tree)
     moving = [i for i, leaf in enumerate(leaves) if jnp.ndim(leaf) >= 1 and jnp.shape(leaf)[0] == n]
     arrays = [jnp.asarray(leaves[i]) for i in moving]
-    outs, recv_counts, overflow = alltoallv_many(arrays, send_counts, capacity, axes, impl, None, perm=order)
+    if size == 1:  # the rows stay: drop the invalid ones and close the gaps (no sort, no collective)
+        if axes:
+            _use_ragged(impl)  # (checks the argument)
+        keep = valid & ~bad
+        recv_counts = jnp.sum(keep, dtype=jnp.int32)[None]
+        at = jnp.where(keep, jnp.cumsum(keep, dtype=jnp.int32) - 1, capacity)
+        outs = vary_over([jnp.zeros((capacity, *a.shape[1:]), a.dtype).at[at].set(a, mode="drop") for a in arrays],
+                         axes)
+        overflow = recv_counts[0] > capacity
+    else:
+        order, send_counts = group_by_rank(jnp.where(valid & ~bad, dest, size), size)
+        outs, recv_counts, overflow = alltoallv_many(arrays, send_counts, capacity, axes, impl, None, perm=order)
     new_leaves = list(leaves)
     for i, out in zip(moving, outs, strict=True):
         new_leaves[i] = out

@@ -87,6 +87,13 @@ class Grid:
         """Shape of this device's block."""
         return self.layout.local_shape
 
+    @property
+    def split(self) -> tuple[tuple[str, ...], ...]:
+        """The mesh axes splitting each array axis, ``()`` where they hold one device between them (such an axis
+        is whole on every device: no halo plane, no neighbour exchange)."""
+        sizes = dict(self.layout.axis_sizes)
+        return tuple(g if math.prod(sizes[a] for a in g) > 1 else () for g in self.layout.groups)
+
     def spacing(self, dtype: Any) -> jax.Array:
         """Grid spacing per axis, `(3,)`."""
         return jnp.asarray([b / n for b, n in zip(self.box, self.shape, strict=True)], dtype)

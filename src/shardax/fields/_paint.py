@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import comm
 from .._errors import CapacityError
+from ..comm._alltoallv import count_by_rank
 from ..core import ALL, default_mesh, rank_info, smap
 from ..particles import Particles
 from ..particles._particles import check_count, check_positions, row_count
@@ -23,20 +24,30 @@ from ._grid import Grid, _box3, _shape3, cell_index, default_spec, field_shardin
 _CORNERS = tuple(itertools.product((0, 1), repeat=3))
 
 
+def _resized(a: jax.Array, rows: int) -> jax.Array:
+    """``a`` cut or padded with zero rows to ``rows`` rows."""
+    return jnp.pad(a, [(0, max(rows - a.shape[0], 0))] + [(0, 0)] * (a.ndim - 1))[:rows]
+
+
 def _to_owners(part: Any, grid: Grid, capacity: int, extra: dict[str, jax.Array]
                ) -> tuple[dict[str, jax.Array], jax.Array, jax.Array]:
     """Send every valid particle (with ``extra`` per-row leaves) to the device owning its lower grid point.
 
-    Returns the received rows, their count and the largest count any device had to receive (for the error).
+    Returns the received rows, their count and the largest count any device had to receive (for the error). On one
+    device (decided at trace time) the rows stay in place: no destinations, counts or exchange.
     """
+    tree = {"pos": part.pos, **extra}
+    _, size, _ = rank_info()
+    if size == 1:
+        num = jnp.asarray(part.num, jnp.int32)
+        needed = comm.allreduce(num, "max")  # (the same value, typed as replicated over a size-1 mesh axis)
+        return {name: _resized(a, capacity) for name, a in tree.items()}, jnp.minimum(num, capacity), needed
     n = row_count(part)
     lower, _ = cell_index(part.pos, grid)
     dest = grid.owner(lower)
     valid = jnp.arange(n) < part.num
-    _, size, _ = rank_info()
-    wanted = jnp.zeros((size,), jnp.int32).at[dest].add(valid.astype(jnp.int32))
-    needed = jnp.max(comm.allreduce(wanted))
-    tree = {"pos": part.pos, **extra}
+    # Counted by compare-and-sum (no histogram scatter-add: a GPU serialises adds onto the same few addresses).
+    needed = jnp.max(comm.allreduce(count_by_rank(jnp.where(valid, dest, size), size)))
     moved, num, _ = comm.exchange(tree, dest, num=part.num, capacity=capacity)
     return moved, num, needed
 
@@ -45,7 +56,7 @@ def _local_corner(lower: jax.Array, corner: tuple[int, ...], grid: Grid, starts:
                   ) -> tuple[jax.Array, ...]:
     """Index of a CIC corner in the block padded by one halo plane on the high side of every split axis."""
     index = []
-    for dim, group in enumerate(grid.layout.groups):
+    for dim, group in enumerate(grid.split):
         i = lower[:, dim] + corner[dim]
         index.append(i - starts[dim] if group else jnp.mod(i, grid.shape[dim]))
     return tuple(index)
@@ -57,7 +68,7 @@ def fold_halo(padded: jax.Array, grid: Grid) -> jax.Array:
     Axes are folded one after another on the still padded block, so edge and corner cells reach the diagonal
     neighbour: the transpose of :func:`extend_halo`.
     """
-    for dim, group in enumerate(grid.layout.groups):
+    for dim, group in enumerate(grid.split):
         if not group:
             continue
         n = padded.shape[dim] - 1
@@ -70,7 +81,7 @@ def fold_halo(padded: jax.Array, grid: Grid) -> jax.Array:
 
 def extend_halo(block: jax.Array, grid: Grid) -> jax.Array:
     """Append to every split axis the first plane of the next device (periodic): the high halo CIC reads."""
-    for dim, group in enumerate(grid.layout.groups):
+    for dim, group in enumerate(grid.split):
         if not group:
             continue
         received = comm.shift(jax.lax.slice_in_dim(block, 0, 1, axis=dim), -1, axis=group)
@@ -164,7 +175,7 @@ def local_paint(part: Any, shape: Sequence[int], *, box: Any, spec: Any = None, 
     moved, num, needed = _to_owners(part, grid, capacity, {"mass": mass})
     lower, frac = cell_index(moved["pos"], grid)
     weight = jnp.where(jnp.arange(capacity) < num, moved["mass"], 0)
-    padded_shape = tuple(b + (1 if g else 0) for b, g in zip(grid.block, grid.layout.groups, strict=True))
+    padded_shape = tuple(b + (1 if g else 0) for b, g in zip(grid.block, grid.split, strict=True))
     starts = grid.block_start()
     padded = jnp.zeros(padded_shape, part.pos.dtype)
     for corner in _CORNERS:
@@ -206,8 +217,8 @@ def local_readout(field: jax.Array, part: Any, *, box: Any, spec: Any = None, ca
     grid = Grid.from_block(np.shape(field), spec, box, "local_readout")
     capacity = _capacity(capacity, part)
     n = row_count(part)
-    rank, _, _ = rank_info()
-    extra = {"row": jnp.arange(n, dtype=jnp.int32), "origin": jnp.full((n,), rank, jnp.int32)}
+    rank, size, _ = rank_info()
+    extra = {} if size == 1 else {"row": jnp.arange(n, dtype=jnp.int32), "origin": jnp.full((n,), rank, jnp.int32)}
     moved, num, needed = _to_owners(part, grid, capacity, extra)
     padded = extend_halo(field, grid)
     lower, frac = cell_index(moved["pos"], grid)
@@ -216,6 +227,8 @@ def local_readout(field: jax.Array, part: Any, *, box: Any, spec: Any = None, ca
     for corner in _CORNERS:
         index = _local_corner(lower, corner, grid, starts)
         values = values + padded.at[index].get(mode="fill", fill_value=0) * _weights(frac, corner)
+    if size == 1:  # the rows never left
+        return jnp.where(jnp.arange(n) < num, _resized(values, n), 0), needed
     back, _, _ = comm.exchange({"value": values, "row": moved["row"]}, moved["origin"], num=num, capacity=n)
     rows = jnp.where(jnp.arange(n) < part.num, back["row"], n)
     out = jnp.zeros((n,), values.dtype).at[rows].set(back["value"], mode="drop")
@@ -282,6 +295,7 @@ def paint(part: Any, shape: Sequence[int], *, box: Any, mesh: Mesh | None = None
 
     Raises:
         CapacityError: a device had to receive more than ``capacity`` particles (nothing is returned half done).
+            Under an outer ``jax.jit`` nothing is checked: pass a ``capacity`` that holds every particle.
 
     Example:
         >>> import numpy as np, shardax as sx
@@ -296,8 +310,10 @@ def paint(part: Any, shape: Sequence[int], *, box: Any, mesh: Mesh | None = None
     shape3 = _shape3(shape)
     box_key = box if isinstance(box, int | float) else _box3(box)
     field, needed, nonfinite = _paint_fn(the_mesh, shape3, box_key, the_spec, capacity)(_rows(part))
-    _raise_nonfinite("paint", int(nonfinite))
-    _raise_capacity("paint", int(needed), capacity or part.pos.shape[1])
+    if not isinstance(needed, Tracer):  # (under an outer jit nothing can be checked)
+        needed, nonfinite = jax.device_get((needed, nonfinite))  # one transfer for both checks
+        _raise_nonfinite("paint", int(nonfinite))
+        _raise_capacity("paint", int(needed), capacity or part.pos.shape[1])
     return field
 
 
@@ -337,6 +353,8 @@ def readout(field: jax.Array, part: Any, *, box: Any, mesh: Mesh | None = None, 
     the_mesh, the_spec = field_sharding(field, mesh, spec, "readout")
     box_key = box if isinstance(box, int | float) else _box3(box)
     values, needed, nonfinite = _readout_fn(the_mesh, box_key, the_spec, capacity)(field, _rows(part))
-    _raise_nonfinite("readout", int(nonfinite))
-    _raise_capacity("readout", int(needed), capacity or part.pos.shape[1])
+    if not isinstance(needed, Tracer):
+        needed, nonfinite = jax.device_get((needed, nonfinite))
+        _raise_nonfinite("readout", int(nonfinite))
+        _raise_capacity("readout", int(needed), capacity or part.pos.shape[1])
     return values

@@ -33,7 +33,13 @@ from jax.sharding import PartitionSpec as P
 
 from .._errors import CapacityError
 from ..comm import allgather, allreduce
-from ..comm._alltoallv import _exchange_counts_and_max, default_chunk, group_by_rank, share_chunk
+from ..comm._alltoallv import (
+    _exchange_counts_and_max,
+    count_by_rank,
+    default_chunk,
+    group_by_rank,
+    share_chunk,
+)
 from ..core import ALL, rank_info, smap
 from ..core._rank import resolve_axes
 from ._domain import Domain, domain_of
@@ -317,7 +323,7 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
     splitters, per_device = _splitters(words, num, jnp.stack([num, nonfinite]), size)
     nonfinite = jnp.sum(per_device[:, 1])
     bucket = jnp.where(valid, _destinations(words, splitters), size)
-    send = jnp.zeros((size + 1,), jnp.int32).at[bucket].add(1)[:size]
+    send = count_by_rank(bucket, size)
     # Every device's send counts, ``matrix[i, j]`` rows from device i to bucket j, in one all-gather: it gives the
     # key exchange's plan, the buckets' sizes and the plan of the way back, where a count exchange, an all-gather
     # of the bucket sizes and another count exchange would each be a collective.
@@ -359,7 +365,7 @@ def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | N
                           plan=(kept[rank], jnp.max(kept)))
     dev, row = _device_and_row(back, first)
     placed = (rows < num) & (back >= 0)
-    final_send = jnp.zeros((size + 1,), jnp.int32).at[jnp.where(placed, dev, size)].add(1)[:size]
+    final_send = count_by_rank(jnp.where(placed, dev, size), size)
     # Positions are wrapped into a periodic box on the way (no wrapped copy of the input).
     arrays = rows_of.arrays()
     pos_leaf = [a is part.pos for a in rows_of.leaves]  # type: ignore[attr-defined]
@@ -564,10 +570,12 @@ def _constructed(mesh: Mesh | None, jit: bool, donate: bool) -> Callable[..., An
                 return result.part, result.overflow, flags, dom
 
             fn = smap(body, in_specs=(ALL, P() if not static_box else None),
-                      out_specs=(ALL, ALL, P(), P()), mesh=mesh, jit=jit, donate_argnums=(0,) if donate else ())
+                      out_specs=(ALL, ALL, P(), P()), mesh=mesh, jit=jit, donate_argnums=(0,) if donate else (),
+                      name="zsort.smap")
             cache[key] = fn
         out_part, overflow, (any_overflow, needed, nonfinite), dom = fn(leaves, None if static_box else box)
         if not isinstance(any_overflow, Tracer):
+            any_overflow, needed, nonfinite = jax.device_get((any_overflow, needed, nonfinite))  # one transfer
             if int(nonfinite):
                 raise ValueError(f"zsort: {int(nonfinite)} particle(s) have a NaN or infinite coordinate in part.pos; "
                                  "remove them or replace the positions before sorting")

@@ -1,0 +1,120 @@
+"""Benchmark: the cost of every kernel's global wrapper on one device, against ``jax.jit`` of its local view.
+
+On a mesh of one device a global function (``paint``, ``readout``, ``power_spectrum``, ``zsort.smap``, ``fftn``,
+``potrs``) should do no more than its local view: no exchange, no count of destinations, no extra passes. Both run
+in the same process on the same device, timed round-robin (medians of ``--repeat`` calls after a warm-up, each
+call's result waited for); the table gives both times and their ratio (target: at most 1.1).
+
+    python benchmarks/wrappers.py                           # moderate sizes on the default backend
+    python benchmarks/wrappers.py --particles 10000000 --grid 256 --linalg 8192   # GPU sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def _parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--particles", type=int, default=1_000_000, help="particles of paint/readout/zsort")
+    parser.add_argument("--grid", type=int, default=64, help="grid points per axis of paint/readout/power/fftn")
+    parser.add_argument("--linalg", type=int, default=1024, help="matrix order of potrs (float32)")
+    parser.add_argument("--repeat", type=int, default=7, help="timed calls of each (default 7)")
+    parser.add_argument("--only", default="", help="comma-separated kernels to run (default: all)")
+    return parser.parse_args()
+
+
+def _interleaved(pairs: dict[str, tuple[Callable[[], Any], Callable[[], Any]]], repeat: int
+                 ) -> dict[str, tuple[float, float]]:
+    """Median seconds of each ``(global, local)`` pair, every function timed once per round."""
+    import jax
+
+    for fns in pairs.values():
+        for fn in fns:
+            jax.block_until_ready(fn())
+    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in pairs}
+    for _ in range(repeat):
+        for name, fns in pairs.items():
+            for fn, out in zip(fns, times[name], strict=True):
+                start = time.perf_counter()
+                jax.block_until_ready(fn())
+                out.append(time.perf_counter() - start)
+    return {name: (statistics.median(g), statistics.median(loc)) for name, (g, loc) in times.items()}
+
+
+def _cases(args: argparse.Namespace) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import shardax as sx
+    from shardax.linalg._core import solve_local
+    from shardax.linalg._layout import BlockCyclic
+
+    device = jax.devices()[0]
+    mesh = Mesh(np.array([device]), ("d",))
+    rng = np.random.default_rng(0)
+    n, g = args.particles, args.grid
+    shape = (g, g, g)
+    host = rng.random((n, 3), dtype=np.float32)
+    part = sx.particles.from_numpy(host, mesh=mesh)
+    # The local view gets the device's rows as the global one holds them (padding rows included).
+    local = sx.particles.Particles(pos=jax.device_put(np.asarray(part.pos)[0], device),
+                                   num=jax.device_put(np.asarray(part.num)[0], device))
+    rho = sx.fields.paint(part, shape, box=1.0, mesh=mesh)
+    rho_local = jax.device_put(np.asarray(rho), device)
+    delta = rho / jnp.mean(rho) - 1
+    delta_local = rho_local / jnp.mean(rho_local) - 1
+    field = jax.device_put(rng.standard_normal(shape).astype(np.complex64), NamedSharding(mesh, P("d")))
+    field_local = jax.device_put(np.asarray(field), device)
+    m = args.linalg
+    base = rng.standard_normal((m, m)).astype(np.float32) / np.sqrt(m)
+    a_host = (base @ base.T + 2 * np.eye(m, dtype=np.float32)).astype(np.float32)
+    a = jax.device_put(a_host, NamedSharding(mesh, P()))
+    b = jax.device_put(np.ones((m,), np.float32), NamedSharding(mesh, P()))
+    layout = BlockCyclic.create(m, None, 1)
+    a_cyclic = jax.device_put(np.pad(a_host, ((0, layout.padded - m),) * 2) + np.diag(
+        (np.arange(layout.padded) >= m).astype(np.float32)), device)
+    b_local = jax.device_put(np.pad(np.ones((m, 1), np.float32), ((0, layout.padded - m), (0, 0))), device)
+
+    local_paint = jax.jit(lambda p: sx.fields.local_paint(p, shape, box=1.0)[0])
+    local_readout = jax.jit(lambda f, p: sx.fields.local_readout(f, p, box=1.0)[0])
+    local_power = jax.jit(lambda d: sx.fields.local_power_spectrum(d, box=1.0, bins=16))
+    local_zsort = jax.jit(lambda p: sx.particles.zsort(p))
+    local_fft = jax.jit(sx.fft.local_fftn)
+    local_solve = jax.jit(lambda a, b: solve_local(a, b, layout, False))
+    global_zsort = sx.particles.zsort.smap(mesh)
+    cases = {
+        "paint": (lambda: sx.fields.paint(part, shape, box=1.0), lambda: local_paint(local)),
+        "readout": (lambda: sx.fields.readout(rho, part, box=1.0), lambda: local_readout(rho_local, local)),
+        "power_spectrum": (lambda: sx.fields.power_spectrum(delta, box=1.0, bins=16),
+                           lambda: local_power(delta_local)),
+        "zsort.smap": (lambda: global_zsort(part), lambda: local_zsort(local)),
+        "fftn": (lambda: sx.fft.fftn(field), lambda: local_fft(field_local)),
+        "potrs": (lambda: sx.linalg.potrs(a, b), lambda: local_solve(a_cyclic, b_local)),
+    }
+    only = [name for name in args.only.split(",") if name]
+    return {name: fns for name, fns in cases.items() if not only or name in only}
+
+
+def main() -> None:
+    args = _parse()
+    import jax
+
+    medians = _interleaved(_cases(args), args.repeat)
+    device = jax.devices()[0]
+    print(f"{device.device_kind} ({jax.default_backend()}), JAX {jax.__version__}: {args.particles} particles, "
+          f"{args.grid}^3 grid, potrs N={args.linalg} float32; medians of {args.repeat}")
+    print(f"{'kernel':<16}{'global ms':>11}{'local ms':>11}{'ratio':>8}")
+    for name, (glob, loc) in medians.items():
+        print(f"{name:<16}{1e3 * glob:>11.2f}{1e3 * loc:>11.2f}{glob / loc:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Every public kernel lowers for CUDA on this CPU-only machine, with the GPU tuning, and without host callbacks.
+
+``jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))`` runs JAX's CUDA lowering rules without a GPU: what
+would fail to compile for a GPU (an unsupported op, a lowering missing on the platform) fails here, and the text
+shows which custom calls the GPU program would make. The host sort (``shardax._hostsort``) lowers to a Python callback
+on CPU only; on a GPU it must be ``lax.sort``. Every global function is lowered on one device and on a mesh of 8
+(the CPU devices stand in for GPUs), with ``SHARDAX_TUNING=gpu`` so the GPU presets of the static sizes are traced.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardax as sx
+from shardax._hostsort import HOST_MIN
+
+_CUSTOM_CALL = re.compile(r"custom_call @([\w.]+)")
+
+
+def _custom_calls(lowered: Any) -> set[str]:
+    return set(_CUSTOM_CALL.findall(lowered.as_text()))
+
+
+def _cuda_calls(fn: Callable[..., Any], *args: Any) -> set[str]:
+    """The custom calls of ``fn``'s program lowered for CUDA; fails if it has a host callback."""
+    calls = _custom_calls(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)))
+    callbacks = sorted(c for c in calls if "callback" in c)
+    assert not callbacks, f"host callbacks in the CUDA lowering: {callbacks}"
+    return calls
+
+
+@pytest.fixture(autouse=True)
+def _gpu_tuning(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHARDAX_TUNING", "gpu")
+
+
+@pytest.fixture(params=[1, 8], ids=lambda n: f"{n}dev")
+def mesh(request: pytest.FixtureRequest) -> Mesh:
+    return Mesh(np.array(jax.devices()[: request.param]), ("d",))
+
+
+def _particles(mesh: Mesh, n: int = 512) -> Any:
+    return sx.particles.from_numpy(np.random.default_rng(0).random((n, 3), dtype=np.float32), mesh=mesh)
+
+
+def test_the_check_sees_the_host_sort() -> None:
+    """The CPU lowering of FoF on enough rows has the host sort's callback: the CUDA check looks for the right name."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
+    part = _particles(mesh, 2 * HOST_MIN)
+    traced = jax.jit(lambda p: sx.spatial.fof.smap(mesh)(p, 0.01, box=1.0, tuning="cpu")).trace(part)
+    assert any("callback" in c for c in _custom_calls(traced.lower()))
+    assert not any("callback" in c for c in _custom_calls(traced.lower(lowering_platforms=("cuda",))))
+
+
+def test_particle_kernels(mesh: Mesh) -> None:
+    part = _particles(mesh)
+    _cuda_calls(lambda p: sx.particles.zsort.smap(mesh)(p, box=1.0), part)
+    _cuda_calls(lambda p: sx.spatial.knn.smap(mesh)(p, 4, box=1.0, tuning="gpu"), part)
+    _cuda_calls(lambda p: sx.spatial.fof.smap(mesh)(p, 0.05, box=1.0, min_members=2, tuning="gpu"), part)
+    _cuda_calls(lambda: sx.particles.uniform.smap(mesh)(64 * mesh.size))
+
+
+def test_fields(mesh: Mesh) -> None:
+    part = _particles(mesh)
+    shape = (8, 8, 8)
+    field = jax.device_put(jnp.zeros(shape, jnp.float32), NamedSharding(mesh, P("d")))
+    _cuda_calls(lambda p: sx.fields.paint(p, shape, box=1.0, mesh=mesh), part)
+    _cuda_calls(lambda f, p: sx.fields.readout(f, p, box=1.0, mesh=mesh, spec=P("d")), field, part)
+    _cuda_calls(lambda f: sx.fields.power_spectrum(f, box=1.0, bins=4, mesh=mesh, spec=P("d")), field)
+
+
+def test_ffts(mesh: Mesh) -> None:
+    x = jax.device_put(jnp.zeros((8, 8, 8), jnp.float32), NamedSharding(mesh, P("d")))
+    z = x.astype(jnp.complex64)
+    spec = {"mesh": mesh, "spec": P("d")}
+    assert _cuda_calls(lambda z: sx.fft.fftn(z, **spec), z) == set()  # XLA's own FFT op, no library call
+    _cuda_calls(lambda z: sx.fft.ifftn(z, **spec), z)
+    _cuda_calls(lambda x: sx.fft.rfftn(x, **spec), x)
+    half = jax.device_put(jnp.zeros((8, 8, 5), jnp.complex64), NamedSharding(mesh, P("d")))
+    _cuda_calls(lambda h: sx.fft.irfftn(h, **spec), half)
+
+
+def test_linalg(mesh: Mesh) -> None:
+    n = 64
+    a = jax.device_put(2 * jnp.eye(n, dtype=jnp.float32), NamedSharding(mesh, P(None, "d")))
+    b = jnp.ones((n,), jnp.float32)
+    _cuda_calls(lambda a, b: sx.linalg.potrs(a, b, mesh=mesh), a, b)
+    _cuda_calls(lambda a: sx.linalg.potrf(a, mesh=mesh), a)
+    _cuda_calls(lambda a: sx.linalg.potri(a, mesh=mesh), a)
+    _cuda_calls(lambda a: sx.linalg.syevd(a, mesh=mesh), a)
+
+
+def test_collectives(mesh: Mesh) -> None:
+    def body(x: jax.Array) -> tuple[jax.Array, ...]:
+        size = sx.rank_info().size
+        rows = jnp.tile(x, (size, 1))
+        counts = jnp.full((size,), 4, jnp.int32)
+        data, _, _ = sx.comm.alltoallv(rows, counts, capacity=4 * size)
+        ladder, _, _ = sx.comm.alltoallv(rows, counts, capacity=4 * size, chunk=sx.comm.chunk_ladder(4 * size))
+        moved, _, _ = sx.comm.exchange({"pos": x}, jnp.full((4,), size - 1, jnp.int32), num=3, capacity=4 * size)
+        return (sx.comm.allreduce(x), sx.comm.allreduce(x, "max"), sx.comm.allgather(x), sx.comm.alltoall(rows.reshape(size, 4, 3)),
+                sx.comm.bcast(x), sx.comm.gather(x), sx.comm.scatter(rows.reshape(size, 4, 3)), sx.comm.reduce(x), sx.comm.scan(x),
+                sx.comm.shift(x), sx.comm.sendrecv(x, [(0, size - 1)]), sx.comm.barrier(), data, ladder,
+                moved["pos"])
+
+    mapped = sx.smap(body, in_specs=P(sx.ALL), out_specs=P(sx.ALL), mesh=mesh)
+    _cuda_calls(mapped, jnp.ones((mesh.size, 4, 3), jnp.float32))
