@@ -17,13 +17,16 @@ from .._errors import CapacityError
 from ..comm import allgather, allreduce, scan
 from ..core import ALL, rank_info, smap
 from ..particles import Particles
+from ..particles._bounds import check_global, check_local
 from ..particles._morton import given_box_values
 from ..particles._particles import check_count
 from ._knn_dist import Flags, default_ghost_capacity, distributed_knn
 from ._knn_local import local_knn
+from ._knn_tuning import KnnTuning, resolve
 
 Box = float | tuple[float, ...] | jax.Array | None
 Reduce = Callable[..., Any]
+TuningName = Literal["cpu", "gpu"]
 
 
 class KnnResult(NamedTuple):
@@ -122,24 +125,28 @@ def _check_k(k: Any, n: int, valid: jax.Array) -> None:
     if k < 1:
         raise ValueError(f"knn: k must be >= 1, got {k}")
     if rank_info().size == 1:
-        if k > n:
-            raise ValueError(f"knn: k={k} is larger than the number of particle rows ({n}); lower k")
         if not isinstance(valid, Tracer) and k > int(jnp.sum(valid)):
             raise ValueError(f"knn: k={k} is larger than the number of particles ({int(jnp.sum(valid))}); lower k")
+        if k > n:
+            raise ValueError(f"knn: k={k} is larger than the {n} rows of part (padding included), hence than its "
+                             "number of particles; lower k")
 
 
 @overload
 def knn(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce | None = None,
-        ghost_capacity: int | None = None, zorder: Literal[False] = False) -> KnnResult: ...
+        ghost_capacity: int | None = None, zorder: Literal[False] = False,
+        tuning: KnnTuning | TuningName | None = None) -> KnnResult: ...
 
 
 @overload
 def knn(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce | None = None,
-        ghost_capacity: int | None = None, zorder: Literal[True]) -> tuple[KnnResult, Any]: ...
+        ghost_capacity: int | None = None, zorder: Literal[True],
+        tuning: KnnTuning | TuningName | None = None) -> tuple[KnnResult, Any]: ...
 
 
 def knn(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce | None = None,
-        ghost_capacity: int | None = None, zorder: bool = False) -> KnnResult | tuple[KnnResult, Any]:
+        ghost_capacity: int | None = None, zorder: bool = False,
+        tuning: KnnTuning | TuningName | None = None) -> KnnResult | tuple[KnnResult, Any]:
     """Exact k nearest neighbours of each particle (local view; ``knn.smap`` gives the global version).
 
     Runs the same code outside any mesh (one device) and inside ``sx.smap``. Every particle is its own nearest
@@ -163,6 +170,9 @@ def knn(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce
             NaN distances; ``knn.smap`` raises :class:`shardax.CapacityError` saying how much is needed.
         zorder: skip the trip home: return the results where the search ran, in global z-order, together with
             the particles in that order (one exchange fewer on a mesh). Not with ``query``.
+        tuning: the kernel's static tile and loop sizes: ``None`` for the backend's preset (``SHARDAX_TUNING``
+            overrides), ``"cpu"`` (cache-sized tiles), ``"gpu"`` (few large sequential steps) or a
+            :class:`KnnTuning`. Results are identical for every tuning; only speed and memory change.
 
     Returns:
         ``KnnResult(distances (m, k), indices (m, k))`` with rows aligned with the query rows (``m = n`` without
@@ -195,7 +205,7 @@ def knn(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce
         True
     """
     result, flags, zpart = _knn(part, k, box=box, query=query, reduce=reduce, ghost_capacity=ghost_capacity,
-                                zorder=zorder)
+                                zorder=zorder, tuning=resolve(tuning, "knn"))
     overflow = flags.ghost_overflow | flags.sort_overflow
     if isinstance(overflow, Tracer) or bool(overflow):
         bad = jnp.asarray(overflow)
@@ -204,7 +214,7 @@ def knn(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce
 
 
 def _knn(part: Any, k: int, *, box: Box, query: Any, reduce: Reduce | None, ghost_capacity: int | None,
-         zorder: bool = False) -> tuple[KnnResult, Flags, Any]:
+         zorder: bool = False, tuning: KnnTuning | None = None) -> tuple[KnnResult, Flags, Any]:
     """:func:`knn` plus this device's buffer :class:`Flags` and, with ``zorder``, the z-sorted particles."""
     pos, valid = _positions(part, "part")
     n, dim = pos.shape
@@ -239,6 +249,9 @@ def _knn(part: Any, k: int, *, box: Box, query: Any, reduce: Reduce | None, ghos
                           "part and query")
         qpart = query if hasattr(query, "pos") else Particles(pos=qpos, num=jnp.sum(qvalid, dtype=jnp.int32))
     boxv = _box_vector(box, dim, pos.dtype)
+    check_local(pos, valid, box, "knn: part")
+    if query is not None:
+        check_local(qpos, qvalid, box, "knn: query")
     if reduce is not None and not callable(reduce):
         raise TypeError(f"knn: reduce must be a callable reduce(distances=, indices=, part=), got {reduce!r}")
 
@@ -250,13 +263,13 @@ def _knn(part: Any, k: int, *, box: Box, query: Any, reduce: Reduce | None, ghos
     ids = jnp.where(valid, jnp.asarray(ids, jnp.int32), jnp.iinfo(jnp.int32).max)
     if (size > 1 or zorder) and query is None:
         out = distributed_knn(part, pos, valid, ids, k, _static_box(box), boxv, reduce, ghost_capacity,
-                              home=not zorder)
+                              home=not zorder, tuning=tuning)
         return KnnResult(out.distances, out.indices), out.flags, out.zpart
     if size > 1:
         # Separate query points on a mesh: every device searches all particles (exact, not scalable).
         pos, valid, ids = (allgather(x, tiled=True) for x in (pos, valid, ids))
 
-    dist2, rows = local_knn(pos, valid, qpos, qvalid, ids, k, boxv)
+    dist2, rows = local_knn(pos, valid, qpos, qvalid, ids, k, boxv, tuning)
     distances = jnp.sqrt(dist2)
     indices = jnp.where(rows >= 0, ids[jnp.maximum(rows, 0)], -1)
     if reduce is not None:
@@ -289,7 +302,8 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
     cache: dict[Hashable, Callable[..., Any]] = {}
 
     def call(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce | None = None,
-             ghost_capacity: int | None = None, zorder: bool = False) -> KnnResult | tuple[KnnResult, Any]:
+             ghost_capacity: int | None = None, zorder: bool = False,
+             tuning: KnnTuning | TuningName | None = None) -> KnnResult | tuple[KnnResult, Any]:
         if not (hasattr(part, "pos") and hasattr(part, "num")):
             raise TypeError(f"knn.smap: part must be a global particle pytree with .pos and .num, got "
                             f"{type(part).__name__}")
@@ -298,14 +312,21 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
                              f"from_numpy), got {jnp.shape(part.pos)}; call knn() for the local view")
         check_count(part.num, int(jnp.shape(part.pos)[1]), "knn.smap")
         rows = int(np.prod(jnp.shape(part.pos)[:2]))
-        _check_k(k, rows, jnp.ones((rows,), bool))  # before compiling a search for an impossible k
+        num = part.num
+        if isinstance(num, Tracer) or (isinstance(num, jax.Array) and not num.is_fully_addressable):
+            filled = jnp.ones((rows,), bool)  # only the rows are known here
+        else:
+            filled = (jnp.arange(jnp.shape(part.pos)[1]) < jnp.asarray(num)[:, None]).reshape(-1)
+        _check_k(k, rows, filled)  # before compiling a search for an impossible k
         if box is not None and jnp.issubdtype(jnp.result_type(part.pos), jnp.floating):
             _box_vector(box, int(jnp.shape(part.pos)[-1]), jnp.result_type(part.pos))
+            check_global(part, box, "knn.smap", mesh)
         static_box = _static_box(box)
         # Pytrees travel as flat leaf lists: smap's spec broadcasting would give an absent (None) field a spec.
         part_leaves, part_def = jax.tree.flatten(part)
         query_leaves, query_def = jax.tree.flatten(query)
-        key = (k, static_box, reduce, ghost_capacity, zorder, part_def, query_def)
+        resolved = resolve(tuning, "knn.smap")
+        key = (k, static_box, reduce, ghost_capacity, zorder, resolved, part_def, query_def)
         fn = cache.get(key)
         if fn is None:
             def body(part_leaves: list[jax.Array], query_leaves: list[jax.Array]) -> tuple:
@@ -324,11 +345,11 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
                         extent = jnp.maximum(extent, _extent(jnp.concatenate([pos, qpos]),
                                                              jnp.concatenate([valid & finite, qvalid])))
                 result, flags, zpart = _knn(part, k, box=static_box, query=query, reduce=reduce,
-                                            ghost_capacity=ghost_capacity, zorder=zorder)
+                                            ghost_capacity=ghost_capacity, zorder=zorder, tuning=resolved)
                 checks = tuple(allreduce(jnp.asarray(f, jnp.int32), "max") for f in flags)
                 return result, zpart, (*checks, total, nonfinite, extent)
 
-            fn = smap(body, in_specs=(ALL, ALL), out_specs=(ALL, ALL, P()), mesh=mesh, jit=jit)
+            fn = smap(body, in_specs=(ALL, ALL), out_specs=(ALL, ALL, P()), mesh=mesh, jit=jit, name="knn.smap")
             cache[key] = fn
         result, zpart, checks = fn(part_leaves, query_leaves)
         ghost_overflow, ghost_needed, sort_overflow, sort_needed, total, nonfinite, extent = checks

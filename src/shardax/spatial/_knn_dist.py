@@ -28,6 +28,7 @@ from ..particles._particles import replace_field, with_num
 from ..particles._zsort import sort_particles
 from ._knn_local import kth_distance_bound, local_knn
 from ._knn_pass import positions_of
+from ._knn_tuning import KnnTuning
 
 
 @jax.tree_util.register_dataclass
@@ -78,7 +79,7 @@ def default_ghost_capacity(n: int, size: int) -> int:
 
 def distributed_knn(part: Any, pos: jax.Array, valid: jax.Array, ids: jax.Array, k: int, box: Any,
                     boxv: jax.Array | None, reduce: Callable[..., Any] | None, ghost_capacity: int | None,
-                    home: bool = True, chunks: int = 64) -> DistributedKnn:
+                    home: bool = True, chunks: int = 64, tuning: KnnTuning | None = None) -> DistributedKnn:
     """The kNN of every valid row of ``part`` across all devices of the context (see the module docstring).
 
     Returns:
@@ -108,11 +109,11 @@ def distributed_knn(part: Any, pos: jax.Array, valid: jax.Array, ids: jax.Array,
         zleaves[i] = field
     no = jnp.zeros((), bool)
     if size == 1:
-        dist2, found = local_knn(zpos, zvalid, zpos, zvalid, zids, k, boxv)
+        dist2, found = local_knn(zpos, zvalid, zpos, zvalid, zids, k, boxv, tuning)
         all_ids, wanted, received, ghost_overflow = zids, jnp.int32(0), jnp.int32(0), no
     else:
         dist2, found, all_ids, wanted, received, ghost_overflow = _with_ghosts(zpos, zvalid, zids, k, boxv, capacity,
-                                                                             chunks)
+                                                                             chunks, tuning)
     distances = jnp.sqrt(dist2)
     indices = jnp.where(found >= 0, all_ids[jnp.maximum(found, 0)], -1)
     # The user's pytree in z-order (what ``reduce`` sees, and with ``ids`` what ``home=False`` returns).
@@ -141,15 +142,15 @@ def distributed_knn(part: Any, pos: jax.Array, valid: jax.Array, ids: jax.Array,
 
 
 def _with_ghosts(zpos: jax.Array, zvalid: jax.Array, zids: jax.Array, k: int, boxv: jax.Array | None,
-                 capacity: int, chunks: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array,
-                                                      jax.Array]:
+                 capacity: int, chunks: int, tuning: KnnTuning | None) -> tuple[jax.Array, jax.Array, jax.Array,
+                                                                                 jax.Array, jax.Array, jax.Array]:
     """Steps 2-5 on z-sorted rows: bound, exchange the ghost layer, exact kNN over own + ghost rows."""
     rank, size, _ = rank_info()
     n, dim = zpos.shape
     rows = jnp.arange(n, dtype=jnp.int32)
 
     # Bounding pass on own rows only: the true k-th distance is at most this one.
-    radius = jnp.sqrt(kth_distance_bound(zpos, zvalid, k, boxv))
+    radius = jnp.sqrt(kth_distance_bound(zpos, zvalid, k, boxv, tuning))
     chunk = -(-n // chunks)
     run = jnp.minimum(rows // chunk, chunks - 1)
     big = jnp.asarray(jnp.inf, zpos.dtype)
@@ -171,5 +172,5 @@ def _with_ghosts(zpos: jax.Array, zvalid: jax.Array, zids: jax.Array, k: int, bo
     all_pos = jnp.concatenate([zpos, ghosts["pos"]])
     all_valid = jnp.concatenate([zvalid, jnp.arange(capacity) < ghost_num])
     all_ids = jnp.concatenate([zids, jnp.where(all_valid[n:], ghosts["ids"], jnp.iinfo(jnp.int32).max)])
-    dist2, found = local_knn(all_pos, all_valid, zpos, zvalid, all_ids, k, boxv)
+    dist2, found = local_knn(all_pos, all_valid, zpos, zvalid, all_ids, k, boxv, tuning)
     return dist2, found, all_ids, wanted, received, ghost_overflow

@@ -26,24 +26,30 @@ from ._grid import SENTINEL_KEY, Domain, Grid, axis_margin, cell_coords, cell_ke
 
 
 class PassResult(NamedTuple):
-    """Per query, in the query order: squared distances `(m, k)`, data rows `(m, k)`, flags `(m,)`."""
+    """Per query, in the query order: squared distances `(m, k)`, data rows `(m, k)`, flags `(m,)`; and the
+    sequential steps (batches) the pass ran."""
 
     dist2: jax.Array
     rows: jax.Array
     certified: jax.Array
     truncated: jax.Array
+    steps: jax.Array
 
 
 def pair_dist2(q: jax.Array, c: jax.Array, domain: Domain) -> jax.Array:
-    """Squared distances `(..., Q, C)` between `q: (..., Q, d)` and `c: (..., C, d)` (minimum image if periodic).
+    """Squared distances `(..., Q, C)` between `q: (..., Q, d)` and `c: (..., C, d)` (minimum image if periodic;
+    positions wrapped into the box, see :func:`~shardax.spatial._grid.wrap`).
 
     Every code path computes distances with this one function, so equal pairs give bit-equal distances.
     """
     def axis_dist2(axis: int) -> jax.Array:
         dx = q[..., :, None, axis] - c[..., None, :, axis]
         if domain.periodic:
+            # Wrapped coordinates differ by less than a box: the nearest image is at most one box away. (Without
+            # a division: XLA:CPU keeps a divided tile in memory of its own, one per axis.)
             box = domain.extent[axis]
-            dx = dx - box * jnp.round(dx / box)
+            half = box * 0.5
+            dx = jnp.where(dx > half, dx - box, jnp.where(dx < -half, dx + box, dx))
         return dx * dx
 
     total = axis_dist2(0)
@@ -84,7 +90,9 @@ def sort_data(data_pos: jax.Array, data_valid: jax.Array, domain: Domain, grid: 
 
 
 def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, domain: Domain, grid: Grid,
-              reach: int, *, k: int, block: int, capacity: int, batch: int) -> PassResult:
+              reach: int, *, k: int, block: int, capacity: int, batch: int,
+              search: str = "scan", slot_search: str = "compare_all",
+              into: tuple[jax.Array, jax.Array] | None = None) -> PassResult:
     """Answer the ``active`` queries whose result this grid certifies (see the module docstring).
 
     Args:
@@ -97,7 +105,12 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, domain:
         k: neighbours per query.
         block: queries per block.
         capacity: candidate slots per block (at least ``k + 1``).
-        batch: blocks processed together in one dense tile.
+        batch: blocks processed together in one dense tile (one sequential step).
+        search: ``jnp.searchsorted``'s method for finding the candidate runs in the sorted data.
+        slot_search: ``jnp.searchsorted``'s method for finding each candidate slot's run.
+        into: `(m, k)` squared distances and rows to write the certified results into (the other rows keep their
+            values; one set of result buffers for all passes); None: fresh ones, with every active query's
+            candidates, certified or not.
 
     Returns:
         ``PassResult`` for every query (meaningful where ``certified``); ``rows`` are data row numbers.
@@ -139,13 +152,14 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, domain:
         x0 = first[:, 0]
         x1 = qcoords[jnp.clip(end - 1, 0, m - 1), 0]
 
-        range_start, range_len = _candidate_runs(dkeys, first, x0, x1, grid, offsets, reach, domain.periodic)
+        range_start, range_len = _candidate_runs(dkeys, first, x0, x1, grid, offsets, reach, domain.periodic,
+                                                 search)
         cum = jnp.cumsum(range_len, axis=1)
         total = cum[:, -1]
         truncated = total > capacity
         slot = jnp.arange(capacity, dtype=jnp.int32)
-        which = jnp.sum(slot[None, :, None] >= cum[:, None, :], axis=-1, dtype=jnp.int32)
-        which = jnp.minimum(which, range_len.shape[1] - 1)
+        which = jax.vmap(lambda ends: jnp.searchsorted(ends, slot, side="right", method=slot_search))(cum)
+        which = jnp.minimum(which.astype(jnp.int32), range_len.shape[1] - 1)
         before = jnp.take_along_axis(cum - range_len, which, axis=1)
         drow = jnp.take_along_axis(range_start, which, axis=1) + slot[None, :] - before
         cvalid = slot[None, :] < total[:, None]
@@ -155,7 +169,7 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, domain:
         d2 = jnp.where(cvalid[:, None, :], d2, inf)
         neg, pick = lax.top_k(-d2, kk)
         best = -neg
-        rows = jnp.take_along_axis(jnp.broadcast_to(drow[:, None, :], d2.shape), pick, axis=2)
+        rows = jnp.take_along_axis(drow, pick.reshape(batch, block * kk), axis=1).reshape(pick.shape)
 
         margin = axis_margin(qp[..., 0], (x0 - reach)[:, None], (x1 + reach)[:, None], 0, domain, grid)
         for axis in range(1, dim):
@@ -164,24 +178,26 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, domain:
         kth = best[..., k - 1]
         ok = (qvalid & ~truncated[:, None] & (kth < best[..., k]) & (margin > 0) & (kth <= margin * margin))
 
-        target = jnp.where(qvalid, qi, m)
+        # Written straight to the input order: no sorted-order copy of the results.
+        target = jnp.where(qvalid, qperm[qi], m)
         out_d2, out_rows, out_ok, out_trunc = out
-        out_d2 = out_d2.at[target].set(best[..., :k], mode="drop")
-        out_rows = out_rows.at[target].set(dperm[rows[..., :k]], mode="drop")
+        answer = target if into is None else jnp.where(ok, target, m)
+        out_d2 = out_d2.at[answer].set(best[..., :k], mode="drop")
+        out_rows = out_rows.at[answer].set(dperm[rows[..., :k]], mode="drop")
         out_ok = out_ok.at[target].set(ok, mode="drop")
         out_trunc = out_trunc.at[target].set(jnp.broadcast_to(truncated[:, None], qvalid.shape), mode="drop")
         return out_d2, out_rows, out_ok, out_trunc
 
-    init = (jnp.full((m, k), jnp.inf, dtype), jnp.zeros((m, k), jnp.int32), jnp.zeros((m,), bool),
-            jnp.zeros((m,), bool))
+    results = (jnp.full((m, k), jnp.inf, dtype), jnp.zeros((m, k), jnp.int32)) if into is None else into
+    init = (*results, jnp.zeros((m,), bool), jnp.zeros((m,), bool))
     num_batches = (num_blocks + batch - 1) // batch
     out = lax.fori_loop(0, num_batches, run_batch, vary_like(init, qpos))
-    # Back from sorted-query order to the input order.
-    return PassResult(*(jnp.zeros_like(o).at[qperm].set(o) for o in out))
+    return PassResult(*out, steps=num_batches)
 
 
 def _candidate_runs(dkeys: jax.Array, first: jax.Array, x0: jax.Array, x1: jax.Array, grid: Grid,
-                    offsets: list[tuple[int, ...]], reach: int, periodic: bool) -> tuple[jax.Array, jax.Array]:
+                    offsets: list[tuple[int, ...]], reach: int, periodic: bool,
+                    search: str) -> tuple[jax.Array, jax.Array]:
     """Start and length `(B, R)` in the sorted data of every run of candidate cells of each block."""
     gx = grid.cells[0]
     a, b = x0 - reach, x1 + reach
@@ -214,6 +230,6 @@ def _candidate_runs(dkeys: jax.Array, first: jax.Array, x0: jax.Array, x1: jax.A
             valid.append(ok & (xb >= xa))
     lo_k = jnp.stack(lo_keys, axis=1)
     hi_k = jnp.stack(hi_keys, axis=1)
-    found = jnp.searchsorted(dkeys, jnp.stack([lo_k, hi_k]), side="left").astype(jnp.int32)
+    found = jnp.searchsorted(dkeys, jnp.stack([lo_k, hi_k]), side="left", method=search).astype(jnp.int32)
     length = jnp.where(jnp.stack(valid, axis=1), found[1] - found[0], 0)
     return found[0], length
