@@ -102,3 +102,35 @@ def test_bad_arguments(args, message, capsys) -> None:
         run_cli(args)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _gpu_benchmark(tmp_path, *args: str) -> dict:
+    """Run benchmarks/gpu.py on CPU (its sections in subprocesses of their own) and read its JSON."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = tmp_path / "gpu.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root / "src")}
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu.py"), "--out", str(out), *args], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text())
+
+
+def test_gpu_benchmark_quick_sections(tmp_path) -> None:
+    report = _gpu_benchmark(tmp_path, "--quick", "--only", "power,fftn")
+    assert report["meta"]["quick"] and report["meta"]["backend"] == "cpu"
+    rows = {r["section"]: r for r in report["results"]}
+    assert set(rows) == {"power", "fftn"}
+    for r in rows.values():
+        assert r["exact"] is True and r["first_s"] > 0 and r["median_s"] > 0
+        assert r["ratio"] == pytest.approx(r["median_s"] / r["reference_s"])
+
+
+def test_gpu_benchmark_records_a_section_past_its_limit(tmp_path) -> None:
+    report = _gpu_benchmark(tmp_path, "--quick", "--only", "syevd", "--limit-scale", "0.001")
+    (row,) = report["results"]
+    assert row["section"] == "syevd" and row["error"].startswith("timed out")
