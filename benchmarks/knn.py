@@ -9,6 +9,11 @@ Every result is checked against cKDTree (distances to float tolerance, indices e
 
     python benchmarks/knn.py --processes 2          # 1e6 uniform, 1e6 clustered, k=9 and k=32
     python benchmarks/knn.py --n 200000 --repeat 5 --cases blobs
+    python benchmarks/knn.py --n 1000000 --cases uniform --devices 1 --tuning gpu   # the GPU preset on CPU
+
+``--tuning`` picks the kernel's preset (default: the backend's); the single-device process also reports the
+sequential loop steps the local search ran (first pass, adaptive passes, compacted passes, brute force): on a GPU
+each step costs a fixed ~0.3 ms whatever it holds.
 
 Also reports the ghost rows each device receives on 8 devices at ``n / 8`` and ``n`` points: the exchange must grow
 like the surface of a device's piece of space (x4 for x8 points), not like its volume (x8).
@@ -37,6 +42,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--processes", type=int, default=0, help="also run on this many processes x 4 devices")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--tuning", choices=("cpu", "gpu"), default=None,
+                        help="the kNN kernel's preset (default: the backend's)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -63,7 +70,7 @@ def parse_case(case: str) -> tuple[str, int, float | None]:
     return kind.removesuffix("-periodic"), int(ksuffix) if ksuffix else 9, 1.0 if periodic else None
 
 
-def shardax_knn(pos, k: int, box: float | None, ndev: int):
+def shardax_knn(pos, k: int, box: float | None, ndev: int, tuning: str | None = None):
     """A callable running ``knn.smap`` on ``ndev`` devices (all when 0), its first result, the input and the mesh."""
     import jax
     import numpy as np
@@ -80,7 +87,7 @@ def shardax_knn(pos, k: int, box: float | None, ndev: int):
     fn = knn.smap(mesh)
 
     def run():
-        return jax.block_until_ready(fn(part, k, box=box))
+        return jax.block_until_ready(fn(part, k, box=box, tuning=tuning))
 
     return run, run(), part, mesh
 
@@ -132,7 +139,7 @@ def single_device_process(args: argparse.Namespace, case: str) -> dict:
 
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": "1"}
     cmd = [sys.executable, __file__, "--single", "--n", str(args.n), "--repeat", str(args.repeat), "--cases", case,
-           "--seed", str(args.seed)]
+           "--seed", str(args.seed), *tuning_args(args)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3000)
     lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
@@ -150,8 +157,10 @@ def single(args: argparse.Namespace) -> dict:
     kind, k, box = parse_case(args.cases)
     pos = make_points(kind, args.n, args.seed)
     data = jnp.asarray(pos)
-    fn = jax.jit(lambda p: knn(p, k, box=box))
+    fn = jax.jit(lambda p: knn(p, k, box=box, tuning=args.tuning))
+    t0 = time.perf_counter()
     jax.block_until_ready(fn(data))
+    first_call = time.perf_counter() - t0
     ours, theirs = [], []
     for _ in range(args.repeat):
         t0 = time.perf_counter()
@@ -164,7 +173,26 @@ def single(args: argparse.Namespace) -> dict:
 
     ok = bool(np.allclose(np.asarray(res.distances), ref_d, rtol=1e-5, atol=1e-6)) and \
         float(np.mean(np.asarray(res.indices) == ref_i)) > 0.9999
-    return {"time": statistics.median(ours), "cKDTree": statistics.median(theirs), "exact": ok}
+    return {"time": statistics.median(ours), "cKDTree": statistics.median(theirs), "exact": ok,
+            "first_call": first_call, "steps": loop_steps(data, k, box, args.tuning)}
+
+
+def loop_steps(data, k: int, box: float | None, tuning: str | None) -> dict:
+    """The sequential loop steps of the local search on ``data`` (its own queries), by phase."""
+    import jax.numpy as jnp
+
+    from shardax.spatial._knn_local import local_knn_steps
+    from shardax.spatial._knn_tuning import resolve
+
+    n, dim = data.shape
+    ok, ids = jnp.ones((n,), bool), jnp.arange(n, dtype=jnp.int32)
+    boxv = None if box is None else jnp.full((dim,), box, data.dtype)
+    steps = local_knn_steps(data, ok, data, ok, ids, k, boxv, tuning=resolve(tuning, "benchmark"))[2]
+    return {**{name: int(v) for name, v in steps._asdict().items()}, "total": int(steps.total)}
+
+
+def tuning_args(args: argparse.Namespace) -> list[str]:
+    return ["--tuning", args.tuning] if args.tuning else []
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -180,7 +208,7 @@ def worker(args: argparse.Namespace) -> dict:
         kind, k, box = parse_case(case)
         pos = make_points(kind, args.n, args.seed)
         t0 = time.perf_counter()
-        run, res, part, _ = shardax_knn(pos, k, box, 0)
+        run, res, part, _ = shardax_knn(pos, k, box, 0, args.tuning)
         compile_s = time.perf_counter() - t0
         times = []
         for _ in range(args.repeat):
@@ -209,7 +237,8 @@ def main() -> None:
     from scipy.spatial import cKDTree
 
     counts = [int(c) for c in args.devices.split(",")]
-    print(f"jax {jax.__version__}, {jax.device_count()} device(s), n={args.n}, python {sys.version.split()[0]}")
+    print(f"jax {jax.__version__}, {jax.device_count()} device(s), n={args.n}, python {sys.version.split()[0]}, "
+          f"tuning {args.tuning or 'backend preset'}")
     results: dict = {"n": args.n, "cases": {}}
     for case in args.cases.split(","):
         kind, k, box = parse_case(case)
@@ -217,7 +246,7 @@ def main() -> None:
         runs, compile_s = {}, {}
         for ndev in counts:
             t0 = time.perf_counter()
-            runs[ndev] = shardax_knn(pos, k, box, ndev)
+            runs[ndev] = shardax_knn(pos, k, box, ndev, args.tuning)
             compile_s[ndev] = time.perf_counter() - t0
         times: dict[str, list[float]] = {"cKDTree": [], **{f"{d} dev": [] for d in counts}}
         for _ in range(args.repeat):
@@ -235,7 +264,8 @@ def main() -> None:
             from shardax.testing import launch_script
 
             launched = launch_script(__file__, "--worker", "--n", str(args.n), "--repeat", str(args.repeat),
-                                     "--cases", case, "--seed", str(args.seed), num_processes=args.processes,
+                                     "--cases", case, "--seed", str(args.seed), *tuning_args(args),
+                                     num_processes=args.processes,
                                      cpu_devices=4, timeout_s=3000)
             lines = [x for x in launched.output.splitlines() if "RESULT " in x]
             if launched.returncode != 0 or not lines:
@@ -245,7 +275,8 @@ def main() -> None:
             row[f"exact {args.processes}x4"] = mp["exact"]
         sp = single_device_process(args, case)
         row.update({"1-device process": sp["time"], "cKDTree (1-device process)": sp["cKDTree"],
-                    "exact 1-device process": sp["exact"]})
+                    "exact 1-device process": sp["exact"], "first call (1-device process)": sp["first_call"],
+                    "loop steps (1-device process)": sp["steps"]})
         results["cases"][case] = row
         one = row[f"{counts[0]} dev"]
         ratios = [f"1-device process / cKDTree {sp['time'] / sp['cKDTree']:.2f}x",
@@ -258,7 +289,9 @@ def main() -> None:
                           f"{mp / sp['time']:.2f}x)")
         timings = ", ".join(f"{name} {row[name]:.2f} s" for name in times)
         mp_time = f", {args.processes}x4 {row[f'{args.processes}x4']:.2f} s" if args.processes else ""
-        single_time = f", 1-device process {sp['time']:.2f} s (cKDTree there {sp['cKDTree']:.2f} s)"
+        steps = ", ".join(f"{name} {v}" for name, v in sp["steps"].items())
+        single_time = (f", 1-device process {sp['time']:.2f} s (cKDTree there {sp['cKDTree']:.2f} s; first call "
+                       f"{sp['first_call']:.1f} s; loop steps: {steps})")
         checks = all(v for name, v in row.items() if name.startswith("exact"))
         print(f"{case}: {timings}{mp_time}{single_time} | {'; '.join(ratios)} | exact {checks}", flush=True)
     if max(counts) > 1:

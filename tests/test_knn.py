@@ -14,7 +14,8 @@ from scipy.spatial import cKDTree
 
 import shardax as sx
 from conftest import make_mesh
-from shardax.spatial import knn
+from shardax.spatial import KnnTuning, knn
+from shardax.spatial._knn_local import local_knn_steps
 
 
 def ref_knn(pos: np.ndarray, k: int, box: float | tuple | None, query: np.ndarray | None = None):
@@ -53,10 +54,10 @@ def blobs(rng: np.random.Generator, n: int) -> np.ndarray:
 
 
 @functools.cache
-def jitted(k: int, box, with_query: bool = False):
+def jitted(k: int, box, with_query: bool = False, tuning: str | None = None):
     if with_query:
-        return jax.jit(lambda part, query: knn(part, k, box=box, query=query))
-    return jax.jit(lambda part: knn(part, k, box=box))
+        return jax.jit(lambda part, query: knn(part, k, box=box, query=query, tuning=tuning))
+    return jax.jit(lambda part: knn(part, k, box=box, tuning=tuning))
 
 
 CASES = {
@@ -180,11 +181,12 @@ def to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def run_on_mesh(mesh: Mesh, pos: np.ndarray, box: float | None, k: int) -> tuple[np.ndarray, np.ndarray]:
+def run_on_mesh(mesh: Mesh, pos: np.ndarray, box: float | None, k: int,
+                tuning: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """knn.smap on ``mesh`` (each process passes its share of ``pos``); results in global input order."""
     share = np.array_split(pos, jax.process_count())[jax.process_index()]
     part = sx.particles.from_numpy(share, mesh=mesh)
-    res = knn.smap(mesh)(part, k, box=box)
+    res = knn.smap(mesh)(part, k, box=box, tuning=tuning)
     valid = np.arange(part.pos.shape[1])[None, :] < to_host(part.num)[:, None]
     order = np.argsort(to_host(part.ids)[valid])
     return to_host(res.distances)[valid][order], to_host(res.indices)[valid][order]
@@ -275,9 +277,10 @@ def multiprocess_body() -> list[np.ndarray]:
     out = []
     mesh = sx.flat_mesh()
     for pos, box in distributed_cases(np.random.default_rng(8)):
-        d, i = run_on_mesh(mesh, pos, box, 9)
-        one = knn(jnp.asarray(pos), 9, box=box)
-        out += [i, np.asarray(one.indices), d, np.asarray(one.distances)]
+        one = knn(jnp.asarray(pos), 9, box=box, tuning="cpu")
+        for tuning in ("cpu", "gpu"):  # the GPU preset forced on CPU: the same integers as the CPU preset
+            d, i = run_on_mesh(mesh, pos, box, 9, tuning)
+            out += [i, np.asarray(one.indices), d, np.asarray(one.distances)]
     pos, box = distributed_cases(np.random.default_rng(8))[0]
     out.append(check_zorder(mesh, pos, box, fields=False))
     return out
@@ -311,3 +314,76 @@ def test_periodic_wrap_of_extreme_coordinates() -> None:
     want = np.sort(np.sqrt((np.minimum(delta, box - delta) ** 2).sum(-1)), axis=1)[:, :4]
     assert np.all(np.isfinite(np.asarray(res.distances)))
     np.testing.assert_allclose(np.asarray(res.distances), want, atol=1e-6)
+
+
+# The GPU preset (few large sequential steps) forced on CPU: the same answers as cKDTree and the same integers as the
+# CPU preset, on uniform, clustered and tied data.
+GPU_CASES = {
+    "uniform-periodic-per-axis": CASES["uniform-periodic-per-axis"],
+    "blobs-open": CASES["blobs-open"],
+}
+
+
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_gpu_tuning_matches_cpu_tuning(case: str) -> None:
+    make, box = GPU_CASES[case]
+    pos = make(np.random.default_rng(1))
+    gpu = jitted(9, box, tuning="gpu")(jnp.asarray(pos))
+    cpu = jitted(9, box)(jnp.asarray(pos))  # the backend's preset: CPU here (shares the compilation above)
+    ref_d, ref_i = ref_knn(pos, 9, box)
+    check_against(np.asarray(gpu.distances), np.asarray(gpu.indices), ref_d, ref_i, np.float32)
+    np.testing.assert_array_equal(np.asarray(gpu.indices), np.asarray(cpu.indices))
+    np.testing.assert_array_equal(np.asarray(gpu.distances), np.asarray(cpu.distances))
+
+
+def test_gpu_tuning_lattice_ties() -> None:
+    # Every distance tied many times over: most queries reach the brute force, whose GPU steps are large tiles.
+    g = np.arange(6, dtype=np.float32)
+    pos = np.stack(np.meshgrid(g, g, g, indexing="ij"), -1).reshape(-1, 3)
+    pos = pos[np.random.default_rng(2).permutation(len(pos))]
+    tuning = KnnTuning(preset="gpu", brute_queries=16, brute_tile=100)  # several chunks and tiles, a ragged last
+    for box in (None, 6.0):
+        res = knn(jnp.asarray(pos), 27, box=box, tuning=tuning)
+        ref_d, ref_i = exact_ref(pos.astype(np.float64), 27, box)
+        np.testing.assert_allclose(np.asarray(res.distances), ref_d, rtol=1e-6)
+        np.testing.assert_array_equal(np.asarray(res.indices), ref_i)
+
+
+def test_gpu_tuning_on_eight_devices() -> None:
+    mesh = make_mesh((8,))
+    for pos, box in distributed_cases(np.random.default_rng(8)):
+        d, i = run_on_mesh(mesh, pos, box, 9, "gpu")
+        one = jitted(9, box)(jnp.asarray(pos))  # the CPU preset on one device
+        np.testing.assert_array_equal(i, np.asarray(one.indices))
+        np.testing.assert_array_equal(d, np.asarray(one.distances))
+
+
+def test_gpu_tuning_steps_at_a_million() -> None:
+    """The GPU preset's point: few sequential steps. 1e6 uniform points, k=9, periodic: the first grid pass runs
+    in at most 16 steps (every step on a GPU costs ~0.3 ms whatever it holds), and the results are exact."""
+    n, k = 1_000_000, 9
+    pos = np.random.default_rng(13).random((n, 3), dtype=np.float32)
+    ok, ids = jnp.ones(n, bool), jnp.arange(n, dtype=jnp.int32)
+    dist2, rows, steps = local_knn_steps(jnp.asarray(pos), ok, jnp.asarray(pos), ok, ids, k, jnp.ones(3, jnp.float32),
+                                         tuning=KnnTuning(preset="gpu"))
+    assert int(steps.first) <= 16, steps
+    assert int(steps.adapt) == 0 and int(steps.total) <= 64, steps
+    sample = np.random.default_rng(14).choice(n, 20_000, replace=False)
+    ref_d, ref_i = cKDTree(pos.astype(np.float64), boxsize=1.0).query(pos[sample].astype(np.float64), k=k)
+    check_against(np.sqrt(np.asarray(dist2))[sample], np.asarray(rows)[sample], ref_d, ref_i, np.float32)
+
+
+def test_tuning_argument() -> None:
+    pos = jnp.asarray(np.random.default_rng(15).random((200, 3), dtype=np.float32))
+    assert sx.spatial.KnnTuning is KnnTuning
+    with pytest.raises(ValueError, match="tuning must be one of"):
+        knn(pos, 3, tuning="tpu")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="KnnTuning"):
+        knn(pos, 3, tuning=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="block must be a positive int"):
+        KnnTuning(block=0)
+    with pytest.raises(ValueError, match="search must be"):
+        KnnTuning(search="binary")  # type: ignore[arg-type]
+    small = KnnTuning(preset="gpu", batch=1, later_batch=1)  # one block per step: many steps, the same answer
+    np.testing.assert_array_equal(np.asarray(knn(pos, 3, tuning=small).indices),
+                                  np.asarray(knn(pos, 3, tuning="cpu").indices))

@@ -130,9 +130,10 @@ def sizes(tuning: KnnTuning, dim: int, k: int, m: int, n: int) -> Sizes:
         batch = max(8, _CPU_STEP_DISTANCES // (block * capacity))
         later_batch, brute_queries, brute_tile, search, slot_search = 32, 64, 2048, "scan", "compare_all"
     else:
-        # Blocks of the first pass over uniform data: a block per `block` queries plus a partial one per grid row.
+        # Blocks of the first pass over uniform data: a block per `block` queries plus a partial one per grid row,
+        # and 5% to spare.
         rows = math.ceil((max(m, 1) / per_cell) ** ((dim - 1) / dim))
-        blocks = max(m, 1) // block + rows + 1
+        blocks = (max(m, 1) // block + rows) * 21 // 20 + 1
         most = max(step_bytes() // _BYTES_PER_DISTANCE, _GPU_MIN_STEP_DISTANCES)
         least = min(_GPU_MIN_STEP_DISTANCES // (block * capacity), blocks)
         batch = min(max(-(-blocks // _GPU_FIRST_STEPS), least, 1), max(most // (block * capacity), 1))
