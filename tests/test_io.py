@@ -128,6 +128,35 @@ def test_snapshot_round_trip_and_slices(tmp_path) -> None:
     np.testing.assert_array_equal(snap.particle_ids, np.arange(1, 301))
 
 
+def test_write_snapshot_enforces_its_contract(tmp_path) -> None:
+    """Coordinates in [0, box) (drifted ones wrapped), float32/float64, no NaN: a box that does not match the data
+    is an error, not a file that lies."""
+    path = tmp_path / "snap.hdf5"
+    pos = np.random.default_rng(1).random((50, 3)) * 420.0
+    with pytest.raises(ValueError, match=r"periodic box 210.0: on axis \d they span \[.*\] \(extent"):
+        sx.io.write_snapshot(path, pos, box=210.0)
+    bad = pos.copy()
+    bad[3, 0] = np.nan
+    with pytest.raises(ValueError, match="1 row.* NaN or infinite coordinates .first: row 3"):
+        sx.io.write_snapshot(path, bad, box=420.0)
+    with pytest.raises(TypeError, match="float32 or float64.*float16"):
+        sx.io.write_snapshot(path, pos.astype(np.float16), box=420.0)
+    with pytest.raises(TypeError, match="int64"):
+        sx.io.write_snapshot(path, pos.astype(np.int64), box=420.0)
+    for box in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="box must be a positive finite number"):
+            sx.io.write_snapshot(path, pos, box=box)
+    drifted = pos.copy()
+    drifted[0] = [-1.0, 420.5, 419.999999999]  # a little outside: written wrapped into [0, 420)
+    sx.io.write_snapshot(path, drifted, box=420.0)
+    with h5py.File(path, "r") as f:
+        coords = f["PartType1/Coordinates"][...]
+    assert coords.dtype == np.float32 and np.all((coords >= 0) & (coords < 420.0))
+    np.testing.assert_allclose(coords[0], [419.0, 0.5, 0.0], atol=1e-4)
+    sx.io.write_snapshot(path, np.zeros((0, 3)), box=1.0)
+    assert sx.io.read_snapshot(path).total == 0
+
+
 def test_bad_snapshots(tmp_path) -> None:
     with pytest.raises(FileNotFoundError):
         sx.io.read_snapshot(tmp_path / "none.hdf5")
@@ -151,9 +180,17 @@ def test_bad_snapshots(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"shape \(N, 3\)"):
         sx.io.read_snapshot(flat)
     nan = tmp_path / "nan.hdf5"
-    sx.io.write_snapshot(nan, np.full((4, 3), np.nan), box=1.0)
+    sx.io.write_snapshot(nan, np.zeros((4, 3)), box=1.0)
+    with h5py.File(nan, "r+") as f:
+        f["PartType1/Coordinates"][1] = np.nan
     with pytest.raises(ValueError, match="NaN"):
         sx.io.read_snapshot(nan)
+    other_box = tmp_path / "other_box.hdf5"  # a catalogue in a 420 box labelled 210
+    sx.io.write_snapshot(other_box, np.random.default_rng(0).random((40, 3)) * 210.0, box=210.0)
+    with h5py.File(other_box, "r+") as f:
+        f["PartType1/Coordinates"][...] = 2 * f["PartType1/Coordinates"][...]
+    with pytest.raises(ValueError, match=r"do not fit the periodic box \(210.0, 210.0, 210.0\)"):
+        sx.io.read_snapshot(other_box)
     cut = tmp_path / "cut.hdf5"
     sx.io.write_snapshot(cut, np.zeros((2000, 3)), box=1.0)
     data = cut.read_bytes()

@@ -78,8 +78,11 @@ def test_from_numpy_errors() -> None:
     bad[2, 1] = np.inf
     with pytest.raises(ValueError, match="NaN or infinite.*row 2"):
         from_numpy(bad, mesh=mesh)
-    with pytest.raises(TypeError, match="floating-point"):
-        from_numpy(np.zeros((4, 3), np.int32), mesh=mesh)
+    for dtype in (np.int32, np.float16, np.bool_):  # one dtype policy with the kernels: cast, never silently
+        with pytest.raises(TypeError, match=f"float32 or float64 array, got dtype {np.dtype(dtype).name}.*astype"):
+            from_numpy(np.zeros((4, 3), dtype), mesh=mesh)
+    with pytest.raises(TypeError, match="vel must be a float32 or float64 array"):
+        from_numpy(pos, mesh=mesh, vel=np.zeros((4, 3), np.float16))
     with pytest.raises(ValueError, match=r"shape \(n, 2\) or \(n, 3\)"):
         from_numpy(np.zeros((4, 4), np.float32), mesh=mesh)
     with pytest.raises(TypeError, match="unexpected field 'charge'"):
@@ -92,6 +95,23 @@ def test_from_numpy_errors() -> None:
         from_numpy(pos, mesh=mesh, capacity_factor=0.5)
     with pytest.raises(TypeError, match="squeeze needs"):
         squeeze({"pos": pos})
+
+
+@pytest.mark.parametrize("shape", [(1,), (8,), (2, 4)])
+def test_empty_sets_give_empty_results(shape: tuple[int, ...]) -> None:
+    """No particles at all (every device padding only): every kernel returns a valid empty result."""
+    mesh = make_mesh(shape)
+    part = from_numpy(np.zeros((0, 3), np.float32), mesh=mesh)
+    assert int(part.num.sum()) == 0 and part.pos.shape[1] >= 1
+    res = sx.spatial.fof.smap(mesh)(part, 0.1, box=1.0, min_members=1)
+    assert np.all(np.asarray(res.labels) == -1) and int(np.asarray(res.catalogue.count).sum()) == 0
+    zpart, overflow = sx.particles.zsort.smap(mesh)(part, box=1.0)
+    assert int(zpart.num.sum()) == 0 and not np.any(np.asarray(overflow))
+    rho = sx.fields.paint(part, (8, 8, 8), box=1.0, mesh=mesh)
+    assert float(np.abs(np.asarray(rho)).sum()) == 0.0
+    with pytest.raises(ValueError, match=r"k=1 is larger than the number of particles \(0\)"):
+        sx.spatial.knn.smap(mesh)(part, 1, box=1.0)
+    assert squeeze(part)["pos"].shape == (0, 3)
 
 
 def test_squeeze_local_view() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, NamedTuple
 
@@ -10,6 +11,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ..particles import Particles, from_numpy
+from ..particles._bounds import check_bounds, check_global
 from ._hdf5 import _h5py, _open
 
 
@@ -56,7 +58,8 @@ def read_snapshot(path: str | os.PathLike[str], *, mesh: Mesh | None = None, par
         A :class:`Snapshot`.
 
     Raises:
-        ValueError: missing groups or datasets, wrong shapes, NaN coordinates, a truncated or corrupt file.
+        ValueError: missing groups or datasets, wrong shapes, NaN coordinates, coordinates that do not fit
+            ``BoxSize`` (beyond the tolerance of ``docs/reliability.md``), a truncated or corrupt file.
 
     Example:
         >>> import shardax as sx
@@ -108,6 +111,8 @@ def read_snapshot(path: str | os.PathLike[str], *, mesh: Mesh | None = None, par
     if not np.all(np.isfinite(pos)):
         raise ValueError(f"{path}: {group_name}/Coordinates has NaN or infinite values")
     part = from_numpy(pos, mesh=mesh, capacity_factor=capacity_factor, **fields)
+    # Collective: every process raises if any process's slice lies outside the box.
+    check_global(part, tuple(box.tolist()), f"{path}: {group_name}/Coordinates against Header/BoxSize", mesh)
     return Snapshot(part, box, particle_ids, start, total, header)
 
 
@@ -117,18 +122,41 @@ def write_snapshot(path: str | os.PathLike[str], pos: np.ndarray, *, box: float,
 
     Args:
         path: the file to write.
-        pos: `(N, 3)` coordinates in ``[0, box)``.
-        box: box size.
+        pos: `(N, 3)` float32 or float64 coordinates in ``[0, box)``; coordinates that drifted out by up to a
+            quarter box (see ``docs/reliability.md``) are written wrapped into it. Written as float32.
+        box: box size (positive, finite).
         vel: `(N, 3)` velocities (default zeros).
         ids: `(N,)` particle IDs (default ``1..N``).
         mass: particle mass (``Header/MassTable[1]``).
+
+    Raises:
+        TypeError: ``pos`` not float32/float64.
+        ValueError: wrong shapes, a bad ``box``, NaN or infinite coordinates, coordinates outside the box.
+
+    Example:
+        >>> import numpy as np, shardax as sx
+        >>> sx.io.write_snapshot("snap.hdf5", np.random.default_rng(0).random((8, 3)), box=1.0)  # doctest: +SKIP
     """
     h5py = _h5py()
     pos = np.asarray(pos)
     if pos.ndim != 2 or pos.shape[1] != 3:
         raise ValueError(f"pos must have shape (N, 3), got {pos.shape}")
+    if pos.dtype not in (np.float32, np.float64):
+        raise TypeError(f"pos must be a float32 or float64 array, got dtype {pos.dtype}; cast it with "
+                        "pos.astype(np.float32)")
+    if isinstance(box, bool) or not isinstance(box, int | float | np.integer | np.floating) or \
+            not (math.isfinite(box) and box > 0):
+        raise ValueError(f"box must be a positive finite number, got {box!r}")
+    bad = ~np.all(np.isfinite(pos), axis=1)
+    if bad.any():
+        raise ValueError(f"pos has {int(bad.sum())} row(s) with NaN or infinite coordinates (first: row "
+                         f"{int(np.argmax(bad))}); remove or fix them")
     n = pos.shape[0]
-    vel = np.zeros_like(pos) if vel is None else np.asarray(vel)
+    if n:
+        check_bounds(pos.min(axis=0), pos.max(axis=0), float(box), "write_snapshot")
+    coords = np.mod(pos, box).astype(np.float32)
+    coords[coords >= np.float32(box)] = 0  # values just below box that round up to it in float32
+    vel = np.zeros_like(coords) if vel is None else np.asarray(vel)
     ids = np.arange(1, n + 1, dtype=np.uint64) if ids is None else np.asarray(ids)
     tmp = os.fspath(path) + ".partial"
     with h5py.File(tmp, "w") as f:
@@ -139,7 +167,7 @@ def write_snapshot(path: str | os.PathLike[str], pos: np.ndarray, *, box: float,
         header.attrs["MassTable"] = np.array([0, mass, 0, 0, 0, 0], np.float64)
         header.attrs["NumFilesPerSnapshot"] = 1
         group = f.create_group("PartType1")
-        group.create_dataset("Coordinates", data=pos.astype(np.float32))
+        group.create_dataset("Coordinates", data=coords)
         group.create_dataset("Velocities", data=vel.astype(np.float32))
         group.create_dataset("ParticleIDs", data=ids)
     os.replace(tmp, path)

@@ -24,10 +24,12 @@ def _blockdist(n: int, size: int, rank: int) -> tuple[int, int]:
 
 
 def _float_dtype(arr: np.ndarray, name: str) -> np.ndarray:
-    if not np.issubdtype(arr.dtype, np.floating):
-        raise TypeError(f"{name} must be a floating-point array, got dtype {arr.dtype}; convert it with "
+    """``arr`` if float32 (or float64 with ``jax_enable_x64``), float64 as float32 otherwise; any other dtype is a
+    ``TypeError`` (float16 too: its 11-bit mantissa cannot place particles in a box, so it is never cast silently)."""
+    if arr.dtype not in (np.float32, np.float64):
+        raise TypeError(f"{name} must be a float32 or float64 array, got dtype {arr.dtype}; cast it with "
                         f"{name}.astype(np.float32)")
-    if arr.dtype != np.float32 and not (arr.dtype == np.float64 and jax.config.read("jax_enable_x64")):
+    if arr.dtype == np.float64 and not jax.config.read("jax_enable_x64"):
         return arr.astype(np.float32)
     return arr
 
@@ -67,8 +69,9 @@ def from_numpy(pos: np.ndarray, *, mesh: Mesh | None = None, capacity_factor: fl
     ``cap = max(ceil(capacity_factor * N / ndev), largest device count)``, ``N`` the total.
 
     Args:
-        pos: `(n_p, d)` float positions of this process's particles, ``d`` in {2, 3}; float64 becomes float32
-            unless ``jax_enable_x64`` is on. NaN or infinite values are rejected.
+        pos: `(n_p, d)` float32 or float64 positions of this process's particles, ``d`` in {2, 3} (``n_p`` may be
+            0); float64 becomes float32 unless ``jax_enable_x64`` is on, other dtypes (float16, ints) raise
+            ``TypeError``. NaN or infinite values are rejected.
         mesh: the mesh (default: the context mesh, else :func:`shardax.flat_mesh`); the particle axis is sharded
             over all its axes.
         capacity_factor: headroom of the padded buffers (>= 1); zsort needs some (1.25 is plenty).

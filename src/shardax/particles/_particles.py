@@ -163,6 +163,20 @@ def pad(part: T, extra: int) -> T:
     return map_rows(lambda a: jnp.concatenate([a, jnp.zeros((extra, *a.shape[1:]), a.dtype)]), part, n)
 
 
+def pad_global(part: T, extra: int) -> T:
+    """:func:`pad` for a global set on this process's devices (fields ``(ndev, n, ...)``, fully addressable):
+    ``extra`` zero rows appended to every device's block of every per-particle field."""
+    rows = int(jnp.shape(part.pos)[1])  # type: ignore[attr-defined]
+    num = part.num  # type: ignore[attr-defined]
+
+    def apply(leaf: Any) -> Any:
+        if leaf is num or jnp.ndim(leaf) < 2 or jnp.shape(leaf)[1] != rows:
+            return leaf
+        return jnp.concatenate([leaf, jnp.zeros((leaf.shape[0], extra, *leaf.shape[2:]), leaf.dtype)], axis=1)
+
+    return jax.tree.map(apply, part)
+
+
 def valid_mask(part: Any) -> jax.Array:
     """`(n,)` bool: which rows of ``part`` hold particles (``row < num``)."""
     n = row_count(part)

@@ -1,0 +1,138 @@
+"""Positions against their periodic box: data made in another box is an error, not something to wrap silently.
+
+A kernel given a periodic ``box`` wraps positions into ``[0, box)``. Particles that drifted slightly out of the box
+(a time step, rounding) are meant to be wrapped; positions far outside it mean the box does not belong to the data
+(a catalogue in a 420 box passed ``box=210``), and wrapping them gives wrong answers without a word. So positions
+must lie within :data:`BOX_TOLERANCE` box lengths of ``[0, box)`` on every axis: ``-box / 4 <= x < 5 box / 4``.
+
+Checked on concrete arrays only: in the local view eagerly, in the global view by one small distributed reduction
+before the kernel runs (:func:`check_global`). Inside a user's ``jax.jit`` the positions are traced and nothing can
+be checked: positions outside the box are then wrapped as before.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..comm import allreduce
+from ..core import ALL, default_mesh, smap
+
+BOX_TOLERANCE = 0.25  # box lengths a position may lie outside [0, box) and still be wrapped
+
+
+def _box_values(box: Any, dim: int) -> np.ndarray | None:
+    """``box`` as ``(dim,)`` float64, or ``None`` for no box or a box the kernel's own checks will refuse."""
+    if box is None or isinstance(box, Tracer | bool | str):
+        return None
+    try:
+        given = np.asarray(box, np.float64)
+        values = np.broadcast_to(given if given.ndim == 0 else given.reshape(-1), (dim,))
+    except (TypeError, ValueError):
+        return None
+    return values if np.all(np.isfinite(values) & (values > 0)) else None
+
+
+def check_bounds(lower: np.ndarray, upper: np.ndarray, box: Any, where: str) -> None:
+    """Raise ``ValueError`` when positions spanning ``lower``-``upper`` (per axis, finite valid rows) do not fit
+    ``box`` with the tolerance; no-op without a usable box or without rows (``lower > upper``)."""
+    lower, upper = np.asarray(lower, np.float64), np.asarray(upper, np.float64)
+    values = _box_values(box, lower.shape[-1])
+    if values is None or not np.all(lower <= upper):
+        return
+    outside = (lower < -BOX_TOLERANCE * values) | (upper >= (1 + BOX_TOLERANCE) * values)
+    if outside.any():
+        axis = int(np.argmax(outside))
+        shown = box if np.ndim(box) == 0 else tuple(np.asarray(box).tolist())
+        raise ValueError(
+            f"{where}: the positions do not fit the periodic box {shown}: on axis {axis} they span "
+            f"[{lower[axis]:.6g}, {upper[axis]:.6g}] (extent {upper[axis] - lower[axis]:.6g}), but positions must lie "
+            f"in [0, {values[axis]:.6g}) (up to {BOX_TOLERANCE:g} box outside, which is wrapped). Pass the box the "
+            "data was made in, or wrap the positions into the box first (pos % box)")
+
+
+def _valid_rows(pos: jax.Array, num: Any) -> jax.Array:
+    rows = jnp.arange(pos.shape[-2], dtype=jnp.int32)
+    return (rows < jnp.asarray(num, jnp.int32)[..., None]) & jnp.all(jnp.isfinite(pos), axis=-1)
+
+
+def _reduce(pos: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Count of valid finite rows and their per-axis min and max (``inf``/``-inf`` without rows)."""
+    mask = valid[..., None]
+    lower = jnp.min(jnp.where(mask, pos, jnp.inf).reshape(-1, pos.shape[-1]), axis=0)
+    upper = jnp.max(jnp.where(mask, pos, -jnp.inf).reshape(-1, pos.shape[-1]), axis=0)
+    return jnp.sum(valid, dtype=jnp.int32), lower, upper
+
+
+def check_local(pos: Any, valid: Any, box: Any, where: str) -> None:
+    """:func:`check_bounds` for concrete local-view positions ``pos (n, d)`` with a valid-row mask; no-op when
+    either is traced or without a box."""
+    if box is None or isinstance(pos, Tracer) or isinstance(valid, Tracer):
+        return
+    pos = jnp.asarray(pos)
+    if not jnp.issubdtype(pos.dtype, jnp.floating) or pos.ndim != 2:
+        return
+    _, lower, upper = _reduce(pos, jnp.asarray(valid) & jnp.all(jnp.isfinite(pos), axis=-1))
+    check_bounds(np.asarray(lower), np.asarray(upper), box, where)
+
+
+def check_part(part: Any, box: Any, where: str) -> None:
+    """:func:`check_local` for a local-view particle pytree (``.pos (n, d)``, scalar ``.num``); no-op for anything
+    else (the kernel's own checks name what is wrong with it)."""
+    pos, num = getattr(part, "pos", None), getattr(part, "num", None)
+    if box is None or pos is None or num is None or jnp.ndim(pos) != 2 or jnp.ndim(num) != 0:
+        return
+    if isinstance(num, Tracer):
+        return
+    check_local(pos, jnp.arange(jnp.shape(pos)[0]) < jnp.asarray(num), box, where)
+
+
+@functools.lru_cache(maxsize=32)
+def _global_fn(mesh: Mesh) -> Any:
+    def body(pos: jax.Array, num: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        count, lower, upper = _reduce(pos, _valid_rows(pos, num))
+        return allreduce(count), allreduce(lower, "min"), allreduce(upper, "max")
+
+    return smap(body, in_specs=(ALL, ALL), out_specs=(P(), P(), P()), mesh=mesh, jit=True,
+                name="particle bounds")
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    """A replicated output on the host (every process holds a copy)."""
+    return np.asarray(x.addressable_data(0))
+
+
+def global_summary(part: Any, mesh: Mesh | None = None) -> tuple[int, np.ndarray, np.ndarray] | None:
+    """``(count, lower, upper)`` of global particle arrays (``pos (ndev, n, d)``, ``num (ndev,)``): valid finite
+    rows over every device, their per-axis min and max. One small distributed call (collective: every process
+    must call it); ``None`` when the arrays are traced or not float."""
+    pos, num = part.pos, part.num
+    if isinstance(pos, Tracer) or isinstance(num, Tracer) or jnp.ndim(pos) != 3 or jnp.ndim(num) != 1:
+        return None
+    if jnp.result_type(pos) not in (jnp.float32, jnp.float64):
+        return None
+    if mesh is None:
+        sharding = getattr(pos, "sharding", None)
+        mesh = sharding.mesh if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh) else None
+    count, lower, upper = _global_fn(default_mesh(mesh))(pos, num)
+    return int(_host(count)), _host(lower), _host(upper)
+
+
+def check_global(part: Any, box: Any, where: str, mesh: Mesh | None = None) -> int | None:
+    """:func:`check_bounds` for global particle arrays (collective, see :func:`global_summary`); returns the total
+    count of valid finite rows (``None`` when traced). Without a box nothing runs."""
+    if box is None:
+        return None
+    summary = global_summary(part, mesh)
+    if summary is None:
+        return None
+    count, lower, upper = summary
+    check_bounds(lower, upper, box, where)
+    return count
