@@ -93,9 +93,9 @@ def test_linalg(mesh: Mesh) -> None:
     n = 64
     a = jax.device_put(2 * jnp.eye(n, dtype=jnp.float32), NamedSharding(mesh, P(None, "d")))
     b = jnp.ones((n,), jnp.float32)
-    _cuda_calls(lambda a, b: sx.linalg.potrs(a, b, mesh=mesh), a, b)
-    _cuda_calls(lambda a: sx.linalg.potrf(a, mesh=mesh), a)
-    _cuda_calls(lambda a: sx.linalg.potri(a, mesh=mesh), a)
+    _cuda_calls(lambda a, b: sx.linalg.potrs(a, b, mesh=mesh, tuning="gpu"), a, b)
+    _cuda_calls(lambda a: sx.linalg.potrf(a, mesh=mesh, tuning="gpu"), a)
+    _cuda_calls(lambda a: sx.linalg.potri(a, mesh=mesh, tuning="gpu"), a)
     _cuda_calls(lambda a: sx.linalg.syevd(a, mesh=mesh), a)
 
 
@@ -104,9 +104,10 @@ def test_collectives(mesh: Mesh) -> None:
         size = sx.rank_info().size
         rows = jnp.tile(x, (size, 1))
         counts = jnp.full((size,), 4, jnp.int32)
-        data, _, _ = sx.comm.alltoallv(rows, counts, capacity=4 * size)
+        data, _, _ = sx.comm.alltoallv(rows, counts, capacity=4 * size, tuning="gpu")
         ladder, _, _ = sx.comm.alltoallv(rows, counts, capacity=4 * size, chunk=sx.comm.chunk_ladder(4 * size))
-        moved, _, _ = sx.comm.exchange({"pos": x}, jnp.full((4,), size - 1, jnp.int32), num=3, capacity=4 * size)
+        moved, _, _ = sx.comm.exchange({"pos": x}, jnp.full((4,), size - 1, jnp.int32), num=3, capacity=4 * size,
+                                       tuning="gpu")
         return (sx.comm.allreduce(x), sx.comm.allreduce(x, "max"), sx.comm.allgather(x), sx.comm.alltoall(rows.reshape(size, 4, 3)),
                 sx.comm.bcast(x), sx.comm.gather(x), sx.comm.scatter(rows.reshape(size, 4, 3)), sx.comm.reduce(x), sx.comm.scan(x),
                 sx.comm.shift(x), sx.comm.sendrecv(x, [(0, size - 1)]), sx.comm.barrier(), data, ladder,
@@ -114,3 +115,18 @@ def test_collectives(mesh: Mesh) -> None:
 
     mapped = sx.smap(body, in_specs=P(sx.ALL), out_specs=P(sx.ALL), mesh=mesh)
     _cuda_calls(mapped, jnp.ones((mesh.size, 4, 3), jnp.float32))
+
+
+def test_gpu_presets_take_fewer_steps() -> None:
+    """The GPU presets of the static sizes: larger linalg tiles, one exchange round for balanced traffic."""
+    from shardax.comm._alltoallv import default_chunk
+    from shardax.linalg._layout import default_tile
+
+    assert [default_tile(n, 1, "gpu") for n in (16384, 8192, 2048)] == [512, 512, 256]
+    assert [default_tile(n, 1, "cpu") for n in (16384, 8192, 2048)] == [256, 256, 128]
+    assert default_tile(8192, 1) == 512  # SHARDAX_TUNING=gpu (this file's fixture) is the default's preset
+    assert default_chunk(8000, 8, "gpu") == 1250 and default_chunk(8000, 8, "cpu") == 157
+    with pytest.raises(ValueError, match="tuning must be one of"):
+        default_tile(8192, 1, "tpu")
+    with pytest.raises(ValueError, match="tile must be a positive int"):
+        sx.linalg.LinalgTuning(tile=0)

@@ -6,8 +6,9 @@ is the largest per-pair count over all ranks divided by ``chunk`` (every rank le
 which carries each sender's largest count along); each round scatters
 the rows it received straight into place in the receive buffer. Balanced traffic takes about seven rounds and moves
 the same bytes as a tiled ``all_to_all``; skewed traffic (everything to one rank) takes up to ``6.4 size`` rounds.
-Memory is the receive buffer plus one round's blocks (about 60% of it), whatever the traffic. On GPUs the same
-call uses ``lax.ragged_all_to_all``.
+Memory is the receive buffer plus one round's blocks (about 60% of it), whatever the traffic. That is the CPU
+preset of :class:`ExchangeTuning`; the GPU preset sizes a round for the whole share (one round, one sequential step,
+for balanced traffic). On GPUs ``impl="auto"`` uses ``lax.ragged_all_to_all`` instead.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from jax import lax
 from .._hostsort import sort
 from ..core._rank import AxisSpec, axes_size, resolve_axes
 from ..core._vary import vary_over, varying
-from ..runtime._backend import tuning_backend
+from ..runtime._backend import resolve_tuning, tuning_backend
 
 Impl = Literal["auto", "chunked", "ragged"]
 #: Rows per rank pair and round of the chunked path: one size, ``None`` for :func:`default_chunk`, or a ladder of
@@ -78,14 +79,39 @@ def _use_ragged(impl: Impl) -> bool:
     return impl == "auto" and backend in ("gpu", "cuda", "rocm")
 
 
-def default_chunk(capacity: int, size: int) -> int:
-    """Rows per rank pair and round of the chunked path: an eighth of the balanced share plus 25%.
+@dataclasses.dataclass(frozen=True)
+class ExchangeTuning:
+    """Static sizes of the chunked exchange (changing them recompiles).
 
-    Near-balanced traffic then takes about seven rounds, and a round's buffers (the send and receive blocks and the
-    per-peer pieces XLA:CPU splits them into: four blocks of the round's size) stay near 60% of the receive buffer
-    instead of five times it.
+    Attributes:
+        rounds: rounds that near-balanced traffic takes with the default chunk (``1.25 capacity / (rounds size)``
+            rows per rank pair and round). On CPU 8: a round's buffers (the send and receive blocks and the per-peer
+            pieces XLA:CPU splits them into: four blocks of the round's size) stay near 60% of the receive buffer
+            instead of five times it. On GPU 1: every round is a sequential step (its launches and the loop's
+            check), and device memory holds a whole share.
+
+    Example:
+        >>> import shardax as sx
+        >>> from shardax.comm._alltoallv import ExchangeTuning, default_chunk
+        >>> default_chunk(8000, 8, "cpu"), default_chunk(8000, 8, "gpu"), default_chunk(8000, 8, ExchangeTuning(2))
+        (157, 1250, 625)
     """
-    return max(1, -(-5 * capacity // (32 * size)))
+
+    rounds: int = 8
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 1:
+            raise ValueError(f"ExchangeTuning.rounds must be a positive int, got {self.rounds!r}")
+
+
+PRESETS = {"cpu": ExchangeTuning(rounds=8), "gpu": ExchangeTuning(rounds=1)}
+
+
+def default_chunk(capacity: int, size: int, tuning: ExchangeTuning | str | None = None) -> int:
+    """Rows per rank pair and round of the chunked path: the balanced share plus 25%, over the tuning's ``rounds``
+    (an eighth of it on CPU, all of it on GPU; ``tuning`` as in :func:`alltoallv`)."""
+    rounds = resolve_tuning(tuning, PRESETS, ExchangeTuning, "alltoallv").rounds
+    return max(1, -(-5 * capacity // (4 * rounds * size)))
 
 
 def share_chunk(capacity: int, size: int) -> int:
@@ -404,7 +430,8 @@ def alltoallv_many(arrays: Sequence[jax.Array], send_counts: jax.Array, capacity
 
 
 def alltoallv(x: jax.Array, send_counts: jax.Array, *, capacity: int, axis: AxisSpec = None,
-              impl: Impl = "auto", chunk: Chunk = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+              impl: Impl = "auto", chunk: Chunk = None, tuning: ExchangeTuning | str | None = None
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Variable-size all-to-all (``MPI_Alltoallv``) with a fixed-size receive buffer.
 
     Args:
@@ -415,10 +442,13 @@ def alltoallv(x: jax.Array, send_counts: jax.Array, *, capacity: int, axis: Axis
         axis: the mesh axes to exchange over (default: all manual axes).
         impl: ``"auto"`` (``ragged_all_to_all`` on GPU, chunked ``all_to_all`` elsewhere), ``"chunked"`` or
             ``"ragged"``.
-        chunk: rows per rank pair and round of the chunked path (default ``ceil(1.25 * capacity / (8 size))``),
-            or a tuple of sizes from which each call picks at run time the smallest that moves the largest count
-            in one round (e.g. :func:`chunk_ladder`: one collective for traffic whose size varies; each size
-            compiles a loop of its own).
+        chunk: rows per rank pair and round of the chunked path (default :func:`default_chunk`:
+            ``ceil(1.25 * capacity / (8 size))`` on CPU, ``ceil(1.25 * capacity / size)`` on GPU), or a tuple of
+            sizes from which each call picks at run time the smallest that moves the largest count in one round
+            (e.g. :func:`chunk_ladder`: one collective for traffic whose size varies; each size compiles a loop of
+            its own).
+        tuning: the default chunk's preset: ``None`` for the backend's (``SHARDAX_TUNING`` overrides), ``"cpu"``,
+            ``"gpu"`` or an :class:`ExchangeTuning`.
 
     Returns:
         ``(data, recv_counts, overflow)``: ``data (capacity, ...)`` holds the received rows packed and grouped by
@@ -444,6 +474,8 @@ def alltoallv(x: jax.Array, send_counts: jax.Array, *, capacity: int, axis: Axis
     x = jnp.asarray(x)
     if x.ndim == 0:
         raise ValueError("alltoallv needs x with a leading row dimension, got a scalar")
+    if chunk is None:
+        chunk = default_chunk(capacity, axes_size(axes), tuning)
     outs, recv_counts, overflow = alltoallv_many([x], send_counts, capacity, axes, impl, chunk)
     return outs[0], recv_counts, overflow
 
@@ -468,7 +500,7 @@ def _with_num(tree: Any, num: jax.Array) -> Any:
 
 
 def exchange(tree: Any, dest: jax.Array, *, num: jax.Array | int, capacity: int, axis: AxisSpec = None,
-             impl: Impl = "auto") -> tuple[Any, jax.Array, jax.Array]:
+             impl: Impl = "auto", tuning: ExchangeTuning | str | None = None) -> tuple[Any, jax.Array, jax.Array]:
     """Send each of the first ``num`` rows of a particle pytree to rank ``dest[i]``.
 
     Every leaf whose leading length equals the row count (that of ``tree.pos``, or of the first leaf) travels with
@@ -483,6 +515,7 @@ def exchange(tree: Any, dest: jax.Array, *, num: jax.Array | int, capacity: int,
         capacity: rows of every travelling leaf after the exchange (static).
         axis: the mesh axes to exchange over.
         impl: as in :func:`alltoallv`.
+        tuning: as in :func:`alltoallv`.
 
     Returns:
         ``(tree, num, overflow)``: leaves with leading length ``capacity``; ``num`` int32 rows now held (at most
@@ -529,7 +562,8 @@ def exchange(tree: Any, dest: jax.Array, *, num: jax.Array | int, capacity: int,
         overflow = recv_counts[0] > capacity
     else:
         order, send_counts = group_by_rank(jnp.where(valid & ~bad, dest, size), size)
-        outs, recv_counts, overflow = alltoallv_many(arrays, send_counts, capacity, axes, impl, None, perm=order)
+        outs, recv_counts, overflow = alltoallv_many(arrays, send_counts, capacity, axes, impl,
+                                                     default_chunk(capacity, size, tuning), perm=order)
     new_leaves = list(leaves)
     for i, out in zip(moving, outs, strict=True):
         new_leaves[i] = out

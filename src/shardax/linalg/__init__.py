@@ -9,5 +9,6 @@ from ._api import potrf as potrf
 from ._api import potri as potri
 from ._api import potrs as potrs
 from ._api import syevd as syevd
+from ._layout import LinalgTuning as LinalgTuning
 
-__all__ = ["potrf", "potri", "potrs", "syevd"]
+__all__ = ["LinalgTuning", "potrf", "potri", "potrs", "syevd"]

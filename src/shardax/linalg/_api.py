@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +28,12 @@ from ._checks import (
     under_auto_axes,
 )
 from ._core import solve_local
-from ._layout import BlockCyclic, cyclic_spec, from_cyclic, grid_mesh, to_cyclic
+from ._layout import BlockCyclic, LinalgTuning, cyclic_spec, from_cyclic, grid_mesh, to_cyclic
 from ._potrf import potrf_local
 from ._solve import inverse_local
 from ._syevd import jacobi_eigh_local, tridiagonal_eigh_local, tridiagonal_layout
+
+TuningName = Literal["cpu", "gpu"]
 
 
 def _constrain(x: jax.Array, sharding: NamedSharding | None) -> jax.Array:
@@ -112,7 +114,7 @@ def _factor(mesh: Mesh, layout: BlockCyclic, inverse: bool, a_sharding: NamedSha
 
 def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_specs: Any = None, *,
           tile: int | None = None, return_status: bool = False, return_logdet: bool = False,
-          grid: tuple[int, int] | None = None) -> Any:
+          grid: tuple[int, int] | None = None, tuning: LinalgTuning | TuningName | None = None) -> Any:
     """Solve ``a x = b`` for a Hermitian positive definite ``a`` by a distributed blocked Cholesky factorisation.
 
     ``a`` may be sharded by rows ``P(r, None)``, columns ``P(None, c)`` or both ``P(r, c)`` over any mesh; it is
@@ -135,14 +137,17 @@ def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_s
             axes, and the results come back in the inputs' shardings (inside ``jit`` under ``jax.set_mesh`` of
             such a mesh, through ``jax.sharding.auto_axes``).
         in_specs: jaxmg's ``(spec_a, spec_b)``.
-        tile: block size (default 256, halved down to 64 while ``N`` leaves fewer than 16 blocks per device; reduced
-            for small ``N`` so that padding stays below a block per device).
+        tile: block size (default from ``tuning``: 256 on CPU and 512 on GPU, halved down to 64 / 128 while ``N``
+            leaves fewer than 16 / 8 blocks per device; reduced for small ``N`` so that padding stays below a block
+            per device).
         return_status: also return the LAPACK ``info``: 0, or ``k > 0`` when the leading minor of order ``k`` is
             not positive definite (``x`` and ``logdet`` are then NaN).
         return_logdet: also return ``log det a`` (real).
         grid: ``None`` (the 1D column layout) or ``(rows, cols)`` with ``rows * cols`` the mesh's device count: the
             2D process grid of the factorisation, the mesh's devices in row-major order (whatever the mesh's
             shape). See docs/linalg.md for when it pays.
+        tuning: the default block sizes when ``tile`` is not given: ``None`` for the backend's preset
+            (``SHARDAX_TUNING`` overrides), ``"cpu"``, ``"gpu"`` or a :class:`LinalgTuning`.
 
     Returns:
         ``x`` (``b``'s shape and sharding), then ``logdet`` if asked, then ``status`` if asked (jaxmg's order).
@@ -163,14 +168,14 @@ def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_s
         specs = (_spec(b),) + ((PartitionSpec(),) if return_logdet else ()) + ((PartitionSpec(),) if return_status
                                                                                 else ())
         return under_auto_axes(lambda a, b: potrs(a, b, T_A, mesh, in_specs, tile=tile, return_status=return_status,
-                                                  return_logdet=return_logdet, grid=grid), (a, b),
+                                                  return_logdet=return_logdet, grid=grid, tuning=tuning), (a, b),
                                specs[0] if len(specs) == 1 else specs)
     user_mesh = resolve_mesh(mesh, a)
     a, b = apply_in_specs(a, b, user_mesh, in_specs)
     the_mesh = computing_mesh(user_mesh)
     a = onto(a, the_mesh)
     b, b_sharding, b_back = enter(b, user_mesh, the_mesh)
-    layout = BlockCyclic.create(a.shape[0], size, the_mesh.size, check_grid(grid, the_mesh.size))
+    layout = BlockCyclic.create(a.shape[0], size, the_mesh.size, check_grid(grid, the_mesh.size), tuning)
     with computing_on(grid_mesh(the_mesh, layout), user_mesh):
         x, logdet, info = _solver(the_mesh, layout, return_logdet, b_sharding)(a, b)
     x = _reshard(x, b_back)
@@ -179,7 +184,7 @@ def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_s
 
 
 def potrf(a: Any, *, tile: int | None = None, mesh: Mesh | None = None, return_status: bool = False,
-          grid: tuple[int, int] | None = None) -> Any:
+          grid: tuple[int, int] | None = None, tuning: LinalgTuning | TuningName | None = None) -> Any:
     """Lower Cholesky factor ``L`` (``a = L L^H``) of a Hermitian positive definite ``a``, distributed.
 
     Blocked left-looking factorisation on a 1D block-cyclic column layout, or a 2D process grid with ``grid`` (see
@@ -191,6 +196,7 @@ def potrf(a: Any, *, tile: int | None = None, mesh: Mesh | None = None, return_s
         mesh: as in :func:`potrs`.
         return_status: also return the LAPACK ``info`` (``L`` is all NaN when it is positive).
         grid: as in :func:`potrs`.
+        tuning: as in :func:`potrs`.
 
     Returns:
         `L: (N, N)` lower triangular with ``a``'s sharding, then ``status`` if asked.
@@ -201,11 +207,11 @@ def potrf(a: Any, *, tile: int | None = None, mesh: Mesh | None = None, return_s
         >>> sx.linalg.potrf(a).tolist()
         [[2.0, 0.0], [1.0, 2.0]]
     """
-    return _factor_api(a, tile, mesh, return_status, grid, inverse=False)
+    return _factor_api(a, tile, mesh, return_status, grid, tuning, inverse=False)
 
 
 def potri(a: Any, *, tile: int | None = None, mesh: Mesh | None = None, return_status: bool = False,
-          grid: tuple[int, int] | None = None) -> Any:
+          grid: tuple[int, int] | None = None, tuning: LinalgTuning | TuningName | None = None) -> Any:
     """Inverse of a Hermitian positive definite ``a`` through its distributed Cholesky factor.
 
     ``a^{-1} = L^{-H} L^{-1}`` by two distributed triangular solves with the identity's columns, each device on its
@@ -218,6 +224,7 @@ def potri(a: Any, *, tile: int | None = None, mesh: Mesh | None = None, return_s
         mesh: as in :func:`potrs`.
         return_status: also return the LAPACK ``info`` (the inverse is all NaN when it is positive).
         grid: as in :func:`potrs`: the factorisation's process grid (the inverse is formed on the 1D columns).
+        tuning: as in :func:`potrs`.
 
     Returns:
         `(N, N)` the inverse with ``a``'s sharding, then ``status`` if asked.
@@ -228,21 +235,21 @@ def potri(a: Any, *, tile: int | None = None, mesh: Mesh | None = None, return_s
         >>> [[round(float(v), 5) for v in row] for row in inverse]
         [[0.25, 0.0], [0.0, 0.5]]
     """
-    return _factor_api(a, tile, mesh, return_status, grid, inverse=True)
+    return _factor_api(a, tile, mesh, return_status, grid, tuning, inverse=True)
 
 
-def _factor_api(a: Any, tile: int | None, mesh: Mesh | None, return_status: bool, grid: Any, *,
+def _factor_api(a: Any, tile: int | None, mesh: Mesh | None, return_status: bool, grid: Any, tuning: Any, *,
                 inverse: bool) -> Any:
     check_flag(return_status, "return_status")
     size = check_tile(tile)
     check_matrix(a)
     if explicit_avals(a):  # inside jit under an explicit context mesh
-        return under_auto_axes(lambda a: _factor_api(a, tile, mesh, return_status, grid, inverse=inverse), (a,),
-                               (_spec(a), PartitionSpec()) if return_status else _spec(a))
+        return under_auto_axes(lambda a: _factor_api(a, tile, mesh, return_status, grid, tuning, inverse=inverse),
+                               (a,), (_spec(a), PartitionSpec()) if return_status else _spec(a))
     user_mesh = resolve_mesh(mesh, a)
     the_mesh = computing_mesh(user_mesh)
     a, a_sharding, a_back = enter(a, user_mesh, the_mesh)
-    layout = BlockCyclic.create(a.shape[0], size, the_mesh.size, check_grid(grid, the_mesh.size))
+    layout = BlockCyclic.create(a.shape[0], size, the_mesh.size, check_grid(grid, the_mesh.size), tuning)
     with computing_on(grid_mesh(the_mesh, layout), user_mesh):
         out, info = _factor(the_mesh, layout, inverse, a_sharding)(a)
     out = _reshard(out, a_back)

@@ -13,7 +13,7 @@ from jax.core import Tracer
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ..core import default_mesh
-from ._layout import DEFAULT_TILE, user_sharding
+from ._layout import PRESETS, user_sharding
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.float64, jnp.complex64, jnp.complex128)
 
@@ -65,7 +65,7 @@ def check_tile(tile: Any, t_a: Any = None) -> int | None:
     if not isinstance(value, int | np.integer) or isinstance(value, bool):
         raise TypeError(f"{name} must be a positive int (the block size), got {value!r}")
     if value < 1:
-        raise ValueError(f"{name} must be a positive int (the block size), got {value}; try {DEFAULT_TILE}")
+        raise ValueError(f"{name} must be a positive int (the block size), got {value}; try {PRESETS['cpu'].tile}")
     return int(value)
 
 

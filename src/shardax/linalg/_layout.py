@@ -28,23 +28,55 @@ from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..comm import alltoall
-
-# The default block size, halved (down to MIN_TILE) while that leaves fewer than MIN_LOCAL_BLOCKS blocks per device:
-# with few local blocks the factorisation's phases (``_potrf.MAX_PHASES``) are coarse, its products do more flops than
-# an exact Cholesky, and fewer steps leave the owners' diagonal blocks a larger share. `potrs` f64 with the
-# left-looking `potrf` (2026-11-25, `benchmarks/linalg.py --tile T`): N = 4096 on 4 devices 0.48 s with tile 64,
-# 0.55 s with 128; N = 8192 on 4 devices 3.17 s with 64, 2.97 s with 128. N = 4096 on 1 device (round-robin in one
-# process): 0.42 s with 256, 0.46 s with 128, 0.44 s with 64.
-DEFAULT_TILE = 256
-MIN_TILE = 64
-MIN_LOCAL_BLOCKS = 16
+from ..runtime._backend import resolve_tuning
 
 
-def default_tile(n: int, nproc: int) -> int:
-    """Block size used when none is given: 256, halved down to 64 while ``n`` leaves fewer than 16 blocks per
-    device."""
-    tile = DEFAULT_TILE
-    while tile > MIN_TILE and n < MIN_LOCAL_BLOCKS * tile * nproc:
+@dataclasses.dataclass(frozen=True)
+class LinalgTuning:
+    """Block sizes of the factorisations (static: changing them recompiles).
+
+    The default block size is ``tile``, halved (down to ``min_tile``) while that leaves fewer than
+    ``min_local_blocks`` blocks per device: with few local blocks the factorisation's phases (``_potrf.MAX_PHASES``)
+    are coarse, its products do more flops than an exact Cholesky, and fewer steps leave the owners' diagonal blocks
+    a larger share. Every block is one sequential step of a ``fori_loop``: on a GPU each step costs its launches
+    whatever it holds, so the GPU preset takes blocks twice as large (half the steps).
+
+    Attributes:
+        tile: the largest default block size.
+        min_tile: the smallest block the halving reaches.
+        min_local_blocks: blocks per device below which the tile is halved.
+
+    Example:
+        >>> import jax.numpy as jnp, shardax as sx
+        >>> a = 2.0 * jnp.eye(8) + 0.1
+        >>> x = sx.linalg.potrs(a, jnp.ones(8), tuning=sx.linalg.LinalgTuning(tile=4))
+        >>> bool(jnp.allclose(a @ x, 1.0, atol=1e-5))
+        True
+    """
+
+    tile: int = 256
+    min_tile: int = 64
+    min_local_blocks: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("tile", "min_tile", "min_local_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LinalgTuning.{name} must be a positive int, got {value!r}")
+
+
+# `potrs` f64 with the left-looking `potrf` (2026-11-25, `benchmarks/linalg.py --tile T`): N = 4096 on 4 CPU devices
+# 0.48 s with tile 64, 0.55 s with 128; N = 8192 on 4 devices 3.17 s with 64, 2.97 s with 128. N = 4096 on 1 device
+# (round-robin in one process): 0.42 s with 256, 0.46 s with 128, 0.44 s with 64.
+PRESETS = {"cpu": LinalgTuning(), "gpu": LinalgTuning(tile=512, min_tile=128, min_local_blocks=8)}
+
+
+def default_tile(n: int, nproc: int, tuning: LinalgTuning | str | None = None) -> int:
+    """Block size used when none is given: the tuning's ``tile`` (256 on CPU, 512 on GPU), halved down to its
+    ``min_tile`` while ``n`` leaves fewer than ``min_local_blocks`` blocks per device."""
+    t = resolve_tuning(tuning, PRESETS, LinalgTuning, "linalg")
+    tile = t.tile
+    while tile > t.min_tile and n < t.min_local_blocks * tile * nproc:
         tile //= 2
     return tile
 
@@ -68,12 +100,13 @@ class BlockCyclic:
     rows: int = 1
 
     @classmethod
-    def create(cls, n: int, tile: int | None, nproc: int, rows: int = 1) -> BlockCyclic:
-        """The layout for a requested ``tile`` (``None``: :func:`default_tile`) on a ``rows x (nproc / rows)``
-        process grid."""
+    def create(cls, n: int, tile: int | None, nproc: int, rows: int = 1,
+               tuning: LinalgTuning | str | None = None) -> BlockCyclic:
+        """The layout for a requested ``tile`` (``None``: :func:`default_tile` of ``tuning``) on a
+        ``rows x (nproc / rows)`` process grid."""
         if rows < 1 or nproc % rows:
             raise ValueError(f"{rows} process rows do not divide {nproc} devices")
-        tile = default_tile(n, nproc) if tile is None else tile
+        tile = default_tile(n, nproc, tuning) if tile is None else tile
         return cls(n, max(1, min(tile, math.ceil(n / nproc))), nproc, rows)
 
     @property
