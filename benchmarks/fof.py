@@ -6,6 +6,10 @@ on 2 processes x 4 devices launched through ``shardax launch``. Also reports the
 exchanges at two sizes: they grow like the surface of a device's piece (``N**(2/3)``), not like its volume.
 
     python benchmarks/fof.py --n 1000000 --repeat 3 --processes 2
+    python benchmarks/fof.py --n 1000000 --repeat 3 --tuning gpu     # the GPU preset's kernels, here on CPU
+
+``--tuning`` picks the FofTuning preset (default: the backend's); the sequential loop steps of the 1-device call
+(``fof_steps``: link search, component passes, hooking and pointer-jumping steps) are printed with each row.
 
 Medians of ``--repeat`` timed calls after one warm-up (compilation) call; the 1-device and 8-device calls are timed
 round-robin, so that their ratio is measured under one load; the 2x4 launch is a separate run, which times the
@@ -36,7 +40,7 @@ def _median_time(fn, repeat: int) -> float:
     return float(np.median(times))
 
 
-def shardax_fof(pos: np.ndarray, linking_length: float, ndev: int):
+def shardax_fof(pos: np.ndarray, linking_length: float, ndev: int, tuning: str | None = None):
     """A timed callable running ``fof.smap`` on ``ndev`` devices (all of them when ``ndev`` is 0), and its result."""
     import jax
     from jax.sharding import Mesh
@@ -49,7 +53,7 @@ def shardax_fof(pos: np.ndarray, linking_length: float, ndev: int):
     me, nproc = jax.process_index(), jax.process_count()
     rows = np.array_split(np.arange(len(pos)), nproc)[me]
     part = sx.particles.from_numpy(pos[rows], mesh=mesh)
-    options: dict = {}
+    options: dict = {"tuning": tuning}
     for _ in range(4):
         try:
             res = fof.smap(mesh)(part, linking_length, box=1.0, min_members=2, **options)
@@ -74,7 +78,7 @@ def _ghost_rows(res) -> float:
     return float(np.mean(np.asarray(needed)[:, 1]))
 
 
-def single_device_fof(pos: np.ndarray, linking_length: float):
+def single_device_fof(pos: np.ndarray, linking_length: float, tuning: str | None = None):
     """A callable running the local-view ``fof`` under ``jax.jit`` on this process's first device, on the rows
     ``from_numpy`` would build for one device (capacity ``ceil(1.25 n)``, ``ids`` the input order)."""
     import math
@@ -88,11 +92,23 @@ def single_device_fof(pos: np.ndarray, linking_length: float):
     n = len(pos)
     part = pad(Particles(pos=jnp.asarray(pos), num=jnp.int32(n), ids=jnp.arange(n, dtype=jnp.int32)),
                math.ceil(1.25 * n) - n)
-    fn = jax.jit(lambda p: fof(p, linking_length, box=1.0, min_members=2))
+    fn = jax.jit(lambda p: fof(p, linking_length, box=1.0, min_members=2, tuning=tuning))
     return lambda: fn(part).labels
 
 
-def worker(n: int, repeat: int, bs: list[float]) -> dict:
+def step_counts(pos: np.ndarray, linking_length: float, tuning: str | None = None) -> dict[str, int]:
+    """The sequential loop steps of the 1-device call (``fof_steps``; 0 entries left out)."""
+    import jax.numpy as jnp
+
+    from shardax.particles import Particles
+    from shardax.spatial._fof import fof_steps
+
+    part = Particles(pos=jnp.asarray(pos), num=jnp.int32(len(pos)))
+    steps, _ = fof_steps(part, linking_length, box=1.0, min_members=2, tuning=tuning)
+    return {name: count for name, count in steps.items() if count}
+
+
+def worker(n: int, repeat: int, bs: list[float], tuning: str | None = None) -> dict:
     """Timings on all devices of this run (used on its own by the multi-process launch), round-robin with the
     1-device call on process 0 (the other processes wait at a barrier meanwhile, see ``time_lead_rounds``): the ratio
     of the two is measured under one load."""
@@ -106,8 +122,8 @@ def worker(n: int, repeat: int, bs: list[float]) -> dict:
     out = {}
     for b in bs:
         ll = b / n ** (1 / 3)
-        run, res = shardax_fof(pos, ll, 0)
-        one = single_device_fof(pos, ll) if jax.process_index() == 0 else None
+        run, res = shardax_fof(pos, ll, 0, tuning)
+        one = single_device_fof(pos, ll, tuning) if jax.process_index() == 0 else None
         lead_times, times = time_lead_rounds(one, run, repeat, f"fof-b{b}")
         out[f"b={b}"] = {"time": float(np.median(times)), "ghost_rows": _ghost_rows(res),
                          "devices": jax.device_count(),
@@ -123,10 +139,12 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=0, help="also run on this many processes x 4 devices")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--tuning", choices=("cpu", "gpu"), default=None,
+                        help="FofTuning preset of every call (default: the backend's)")
     ns = parser.parse_args()
     bs = [float(b) for b in ns.b.split(",")]
     if ns.worker:
-        result = worker(ns.n, ns.repeat, bs)
+        result = worker(ns.n, ns.repeat, bs, ns.tuning)
         import jax
 
         if jax.process_index() == 0:
@@ -151,7 +169,7 @@ def main() -> None:
             pass
         runs = {}
         for ndev in (1, 8):
-            run, res = shardax_fof(pos, ll, ndev)
+            run, res = shardax_fof(pos, ll, ndev, ns.tuning)
             groups = int((np.bincount(reference) >= 2).sum())
             runs[f"shardax {ndev} dev"] = run
             case[f"ghost rows/dev {ndev}"] = _ghost_rows(res)
@@ -164,8 +182,9 @@ def main() -> None:
         if ns.processes:
             from shardax.testing import launch_script
 
+            extra = ["--tuning", ns.tuning] if ns.tuning else []
             launched = launch_script(__file__, "--worker", "--n", str(ns.n), "--repeat", str(ns.repeat), "--b",
-                                     str(b), num_processes=ns.processes, cpu_devices=4, timeout_s=3000)
+                                     str(b), *extra, num_processes=ns.processes, cpu_devices=4, timeout_s=3000)
             lines = [x for x in launched.output.splitlines() if "RESULT " in x]
             if launched.returncode != 0 or not lines:
                 raise RuntimeError(f"multi-process run failed:\n{launched.output[-3000:]}")
@@ -173,19 +192,23 @@ def main() -> None:
             case[f"shardax {ns.processes}x4"] = mp["time"]
             case[f"shardax 1 dev, {ns.processes}x4 launch"] = mp["one_device"]
             case[f"ghost rows/dev {ns.processes}x4"] = mp["ghost_rows"]
+        steps = step_counts(pos, ll, ns.tuning)
+        case["steps"] = steps
         results["cases"][f"b={b}"] = case
         single = case["shardax 1 dev"]
-        print(f"b={b}: " + ", ".join(f"{k} {v:.3f}{'' if 'ghost' in k else ' s'}" for k, v in case.items())
+        timed = {k: v for k, v in case.items() if k != "steps"}
+        print(f"b={b}: " + ", ".join(f"{k} {v:.3f}{'' if 'ghost' in k else ' s'}" for k, v in timed.items())
               + f" | 1 dev / scipy = {single / case['scipy']:.2f}x, 8 dev / 1 dev = "
               f"{case['shardax 8 dev'] / single:.2f}x"
               + (f", {ns.processes}x4 / 1 dev of its launch = "
                  f"{case[f'shardax {ns.processes}x4'] / case[f'shardax 1 dev, {ns.processes}x4 launch']:.2f}x"
-                 if ns.processes else ""), flush=True)
+                 if ns.processes else "")
+              + f" | 1-device loop steps: {steps}", flush=True)
     # Surface scaling of the exchange: ghost rows per device at n / 8 and n, on 8 devices.
     small = max(ns.n // 8, 1000)
     pos_small = np.random.default_rng(1).random((small, 3)).astype(np.float32)
-    _, res_small = shardax_fof(pos_small, 0.2 / small ** (1 / 3), 8)
-    _, res_big = shardax_fof(pos, 0.2 / ns.n ** (1 / 3), 8)
+    _, res_small = shardax_fof(pos_small, 0.2 / small ** (1 / 3), 8, ns.tuning)
+    _, res_big = shardax_fof(pos, 0.2 / ns.n ** (1 / 3), 8, ns.tuning)
     g_small, g_big = _ghost_rows(res_small), _ghost_rows(res_big)
     ratio = g_big / max(g_small, 1)
     results["surface"] = {"n_small": small, "ghost_rows_small": g_small, "ghost_rows_big": g_big, "ratio": ratio,

@@ -23,8 +23,9 @@ from .._errors import CapacityError
 from ..comm import allgather
 from ..comm._alltoallv import share_chunk
 from ..core import ALL, rank_info, smap
+from ..particles._bounds import check_global, check_local
 from ..particles._morton import given_box_values
-from ..particles._particles import check_count, check_positions
+from ..particles._particles import check_count, check_positions, pad_global
 from ..particles._zsort import bucket_sort
 from ._catalogue import Catalogue, Partial, finish, partial_sums
 from ._fof_halo import (
@@ -126,8 +127,9 @@ def _check_linking_length(linking_length: Any, box: Any, dtype: Any) -> jax.Arra
                              f"distances need {np.sqrt(info.tiny):.3g} <= linking_length <= {np.sqrt(info.max):.3g}); "
                              "rescale the positions (e.g. to box units) or use float64")
         if box is not None and not isinstance(box, Tracer) and value > 0.5 * float(np.min(box)):
-            raise ValueError(f"linking_length {value} is larger than half the periodic box "
-                             f"({np.asarray(box).tolist()}); use a smaller linking length or a larger box")
+            raise ValueError(f"linking_length {value} is larger than half the periodic box (the box is "
+                             f"{np.asarray(box).tolist()}, half of it {0.5 * float(np.min(box)):g}); use a smaller "
+                             "linking length or a larger box")
     return jnp.asarray(linking_length, dtype)
 
 
@@ -188,6 +190,9 @@ def _fof(part: Any, linking_length: float | jax.Array, *, box: Any, min_members:
     """:func:`fof`, and the sequential loop steps it took (:func:`fof_steps`): checks, then the one-device or the
     distributed path."""
     n, dim = check_positions(part, "fof")
+    if n == 0:
+        raise ValueError("fof: part has no rows (part.pos has shape (0, d)); give it at least one padding row: the "
+                         "empty set is one row with num=0")
     _positive_int(min_members, "min_members")
     pos = jnp.asarray(part.pos)
     dtype = pos.dtype
@@ -201,6 +206,7 @@ def _fof(part: Any, linking_length: float | jax.Array, *, box: Any, min_members:
     valid = jnp.arange(n, dtype=jnp.int32) < num
     if not isinstance(pos, Tracer) and not bool(jnp.all(jnp.isfinite(jnp.where(valid[:, None], pos, 0)))):
         raise ValueError("fof: part.pos has NaN or infinite coordinates; remove or fix those particles")
+    check_local(pos, valid, box, "fof")
     mass = getattr(part, "mass", None)
     mass = None if mass is None else jnp.broadcast_to(jnp.asarray(mass, dtype), (n,))
     vel = getattr(part, "vel", None)
@@ -447,9 +453,15 @@ def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., 
             raise TypeError(f"fof.smap: linking_length must be a Python number, got {type(linking_length).__name__}")
         if jnp.issubdtype(jnp.result_type(part.pos), jnp.floating):
             _box_vector(box, int(jnp.shape(part.pos)[-1]), jnp.result_type(part.pos))
+            check_global(part, box, "fof.smap", mesh)
         for name, value in (("max_groups", max_groups), ("edge_capacity", edge_capacity),
                             ("halo_capacity", halo_capacity), ("sort_capacity", sort_capacity)):
             _positive_int(value, name, allow_none=True)
+        if ndev == 1 and n == 1:  # the one-device pair search needs two rows: add a padding row, drop its label
+            res = call(pad_global(part, 1), linking_length, box=box, min_members=min_members, max_groups=max_groups,
+                       edge_capacity=edge_capacity, halo_capacity=halo_capacity, sort_capacity=sort_capacity,
+                       tuning=tuning)
+            return res._replace(labels=res.labels[:, :1])
         static_box = None if box is None else (float(box) if np.ndim(box) == 0 else tuple(np.asarray(box).tolist()))
         options = (float(linking_length), static_box, min_members, tuning)
         leaves, treedef = jax.tree.flatten(part)
@@ -468,19 +480,29 @@ def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., 
                                  "remove or fix them")
             if not int(any_overflow):
                 return res
-            need = np.asarray(needed).tolist()
-            held = (sizes[3] or n) if ndev > 1 else n
-            have = _available(held, sizes[0], sizes[1], hc if ndev > 1 else 0, min_members)
-            short = {name: k + k // 4 + 1 for name, k, h in zip(_CAPACITIES, need, have, strict=True) if k > h}
-            if not short and ndev > 1:  # an exchange overflowed without a count over its buffer: the ghosts'
-                short = {"halo_capacity": 2 * hc}
+            short = _short_buffers(np.asarray(needed), sizes, n, ndev, min_members)
             if not short or any(given.get(name) is not None for name in short):
                 break
             auto.update(short)
+        held = (sizes[3] or n) if ndev > 1 else n
         _raise_capacity(np.asarray(needed), held, sizes[0], sizes[1], hc if ndev > 1 else 0, min_members)
 
     _CONSTRUCTED[(mesh, jit)] = call
     return call
+
+
+def _short_buffers(needed: np.ndarray, sizes: tuple[int | None, int | None, int, int | None], n: int, ndev: int,
+                   min_members: int) -> dict[str, int]:
+    """The buffers of ``sizes`` (``max_groups, edge_capacity, halo_capacity, sort_capacity``) that a call of
+    ``fof.smap`` on ``ndev`` devices of ``n`` rows overflowed, each with a quarter more than a device ``needed``;
+    the ghost buffer doubled when an exchange overflowed without a count over its buffer."""
+    max_groups, edge_capacity, hc, sort_capacity = sizes
+    held = (sort_capacity or n) if ndev > 1 else n
+    have = _available(held, max_groups, edge_capacity, hc if ndev > 1 else 0, min_members)
+    short = {name: k + k // 4 + 1 for name, k, h in zip(_CAPACITIES, needed.tolist(), have, strict=True) if k > h}
+    if not short and ndev > 1:
+        short = {"halo_capacity": 2 * hc}
+    return short
 
 
 def _available(m: int, max_groups: int | None, edge_capacity: int | None, halo_capacity: int,
