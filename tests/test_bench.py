@@ -134,3 +134,34 @@ def test_gpu_benchmark_records_a_section_past_its_limit(tmp_path) -> None:
     report = _gpu_benchmark(tmp_path, "--quick", "--only", "syevd", "--limit-scale", "0.001")
     (row,) = report["results"]
     assert row["section"] == "syevd" and row["error"].startswith("timed out")
+
+
+def test_backend_choice_and_device_anchors() -> None:
+    from shardax.cli._bench import detect_backend
+    from shardax.cli._bench_cases import kernels
+
+    assert detect_backend({"JAX_PLATFORMS": "cpu"}) == "cpu"
+    assert detect_backend({"JAX_PLATFORMS": "cuda,cpu"}) == "gpu"
+    cpu, gpu = kernels("cpu"), kernels("gpu")
+    assert list(cpu["potrs"].anchors) == ["cho_solve"] and list(gpu["potrs"].anchors) == ["jax cho_solve"]
+    assert list(gpu["zsort"].anchors) == ["jnp.argsort"] and list(gpu["knn"].anchors) == ["brute force"]
+    assert gpu["knn"].needs == () and set(gpu["knn"].targets) == {"brute force"}
+    assert gpu["fof"] == cpu["fof"]  # no JAX equivalent: SciPy's FoF on either backend
+
+
+def test_device_anchors_match_the_cpu_ones() -> None:
+    """The jitted JAX anchors used on a GPU compute what the NumPy/SciPy ones do (checked here on CPU)."""
+    import jax
+    from scipy.spatial import cKDTree  # pyright: ignore[reportAttributeAccessIssue]
+
+    from shardax.cli._bench_cases import brute_knn, jax_zsort, numpy_zsort
+
+    pos = np.random.default_rng(0).random((3000, 3), dtype=np.float32)
+    ids, mass = np.arange(3000, dtype=np.int32), np.ones(3000, np.float32)
+    with jax.enable_x64(True):
+        got = jax.jit(jax_zsort)(pos, ids, mass)
+    np.testing.assert_array_equal(np.asarray(got[1]), numpy_zsort(pos, ids, mass)[1])
+    d2, idx = jax.jit(lambda p: brute_knn(p, 5))(pos)
+    ref_d, ref_i = cKDTree(pos.astype(np.float64)).query(pos.astype(np.float64), k=5)
+    np.testing.assert_allclose(np.sqrt(np.maximum(np.asarray(d2), 0)), ref_d, atol=1e-3)
+    assert np.mean(np.asarray(idx) == ref_i) > 0.999

@@ -1,7 +1,9 @@
-"""``shardax bench``: every kernel side by side with its anchor on 1..8 CPU devices and 2 processes; table, JSON, plots.
+"""``shardax bench``: every kernel side by side with its anchor on 1..8 devices and 2 processes; table, JSON, plots.
 
-Run it as ``shardax bench ...`` or ``python -m shardax.cli bench ...``. The number of CPU devices is fixed when a
-JAX backend starts, so this process starts none: each device configuration runs in its own worker process
+Run it as ``shardax bench ...`` or ``python -m shardax.cli bench ...``. It runs on the backend JAX finds (``--backend``
+overrides): on CPU devices against NumPy/SciPy anchors, on a GPU against the jitted JAX equivalents on the same
+device (SciPy's FoF stays the anchor there: JAX has none). The number of CPU devices is fixed when a JAX backend
+starts, so this process starts none: each device configuration runs in its own worker process
 (:mod:`shardax.cli._bench_worker`), ``PxM`` ones as ``P`` processes of ``M`` devices through ``shardax launch``.
 """
 
@@ -21,18 +23,36 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..runtime._malloc import malloc_env
-from ._bench_cases import KERNELS, Kernel, Target
+from ._bench_cases import KERNELS, Kernel, Target, kernels
 from ._launch import _INHERITED_RUN_VARS, launch_job
 from ._procs import JobResult, ProcessSpec, Stream, run_job
 
 _QUICK_DEVICES = "1,8"
 _FULL_DEVICES = "1,2,4,8,2x4"
+_GPU_DEVICES = "1"
+
+
+def detect_backend(env: Mapping[str, str] | None = None) -> str:
+    """``"cpu"`` or ``"gpu"``: the backend the workers' JAX will start, without starting one in this process.
+
+    ``JAX_PLATFORMS`` decides when set (its first entry); otherwise a short subprocess asks JAX.
+    """
+    env = os.environ if env is None else env
+    first = env.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
+    if not first:
+        import subprocess
+
+        probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"], env=dict(env),
+                               capture_output=True, text=True, timeout=300, check=False)
+        lines = probe.stdout.split()
+        first = lines[-1].lower() if probe.returncode == 0 and lines else "cpu"
+    return "cpu" if first == "cpu" else "gpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +142,10 @@ def bench_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=3600.0, metavar="S",
                         help="stop a device configuration's worker after S seconds (default 3600)")
     parser.add_argument("--plain", action="store_true", help="plain text even if `rich` is installed")
+    parser.add_argument("--backend", choices=("auto", "cpu", "gpu"), default="auto",
+                        help="where the workers run: 'auto' (default) the backend JAX finds (JAX_PLATFORMS, else "
+                             "JAX's own choice), 'cpu' CPU devices with NumPy/SciPy anchors, 'gpu' the accelerator "
+                             f"with jitted JAX anchors (default devices there: {_GPU_DEVICES})")
     return parser
 
 
@@ -138,21 +162,28 @@ def run_cli(argv: Sequence[str]) -> int:
         parser.error(f"--repeat must be a positive integer, got {ns.repeat}")
     if not ns.timeout > 0:
         parser.error(f"--timeout must be a positive number of seconds, got {ns.timeout}")
+    backend = detect_backend() if ns.backend == "auto" else ns.backend
+    default_devices = _GPU_DEVICES if backend == "gpu" else _QUICK_DEVICES if ns.quick else _FULL_DEVICES
     try:
-        configs = parse_devices(ns.devices or (_QUICK_DEVICES if ns.quick else _FULL_DEVICES))
+        configs = parse_devices(ns.devices or default_devices)
     except ValueError as err:
         parser.error(str(err))
     repeat = ns.repeat or (2 if ns.quick else 5)
     os.makedirs(ns.out, exist_ok=True)
     cache = None if ns.no_cache else os.path.abspath(ns.cache_dir or os.path.join(ns.out, "xla-cache"))
-    return bench([KERNELS[n] for n in dict.fromkeys(names)], configs, quick=ns.quick, repeat=repeat, out=ns.out,
+    table = kernels(backend)
+    return bench([table[n] for n in dict.fromkeys(names)], configs, quick=ns.quick, repeat=repeat, out=ns.out,
                  json_path=ns.json or os.path.join(ns.out, "bench.json"), cache_dir=cache, timeout_s=ns.timeout,
-                 plain=ns.plain, argv=list(argv))
+                 plain=ns.plain, argv=list(argv), backend=backend)
 
 
 def bench(kernels: Sequence[Kernel], configs: Sequence[DeviceConfig], *, quick: bool, repeat: int, out: str,
-          json_path: str, cache_dir: str | None, timeout_s: float, plain: bool, argv: Sequence[str]) -> int:
-    """Plan, run a worker per device configuration, then print the table and write the JSON and the plots."""
+          json_path: str, cache_dir: str | None, timeout_s: float, plain: bool, argv: Sequence[str],
+          backend: str = "cpu") -> int:
+    """Plan, run a worker per device configuration, then print the table and write the JSON and the plots.
+
+    ``kernels`` carry the anchors of ``backend`` (:func:`~shardax.cli._bench_cases.kernels`)."""
+    table = {**KERNELS, **{k.name: k for k in kernels}}
     from ._bench_report import print_table, write_plots
 
     start = time.perf_counter()
@@ -160,7 +191,7 @@ def bench(kernels: Sequence[Kernel], configs: Sequence[DeviceConfig], *, quick: 
     skipped, runnable = _skipped_rows(kernels, configs)
     plans = _plans(runnable, configs, quick)
     mode = "quick" if quick else "full"
-    sys.stdout.write(f"shardax bench ({mode}): {', '.join(k.name for k in kernels)} on devices "
+    sys.stdout.write(f"shardax bench ({mode}, {backend}): {', '.join(k.name for k in kernels)} on devices "
                      f"{', '.join(c.label for c in configs)}; {repeat} timed call(s) per case\n")
     sys.stdout.flush()
     rows: list[Row] = []
@@ -172,19 +203,20 @@ def bench(kernels: Sequence[Kernel], configs: Sequence[DeviceConfig], *, quick: 
                              f"{', '.join(dict.fromkeys(k for k, _ in cases))}\n")
             sys.stdout.flush()
             t0 = time.perf_counter()
-            records, error = _run_worker(config, cases, repeat, tmp, cache_dir, timeout_s, mpi=mpi)
-            rows += _rows(records, cases, config, "2x1 mpirun" if mpi else config.label, error)
+            records, error = _run_worker(config, cases, repeat, tmp, cache_dir, timeout_s, mpi=mpi,
+                                         backend=backend)
+            rows += _rows(records, cases, config, "2x1 mpirun" if mpi else config.label, error, table)
             sys.stdout.write(f"      {time.perf_counter() - t0:.1f} s\n")
             sys.stdout.flush()
     rows += skipped
-    _judge(rows, configs)
-    rows.sort(key=lambda r: _order(r, configs))
+    _judge(rows, configs, table)
+    rows.sort(key=lambda r: _order(r, configs, table))
     wall = time.perf_counter() - start
     machine = _machine(load_before)
     print_table(rows, kernels, machine, repeat, plain=plain)
     plots, why = write_plots(rows, out)
     sys.stdout.write("".join(f"plot: {p}\n" for p in plots) + (f"plots not written: {why}\n" if why else ""))
-    report = {"shardax_bench": 1, "argv": list(argv), "quick": quick, "repeat": repeat,
+    report = {"shardax_bench": 1, "argv": list(argv), "quick": quick, "repeat": repeat, "backend": backend,
               "devices": [c.label for c in configs], "wall_s": wall, "machine": machine, "plots": plots,
               "kernels": {k.name: {"anchors": dict(k.anchors)} for k in kernels},
               "rows": [dataclasses.asdict(r) for r in rows]}
@@ -288,15 +320,19 @@ _EXCEPTION = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b.*:")
 
 
 def _run_worker(config: DeviceConfig, cases: list[tuple[str, int]], repeat: int, tmp: str, cache_dir: str | None,
-                timeout_s: float, *, mpi: bool) -> tuple[list[dict[str, Any]], str | None]:
+                timeout_s: float, *, mpi: bool, backend: str = "cpu") -> tuple[list[dict[str, Any]], str | None]:
     """Run one worker (or one launched group of them); its JSON records and, if it failed, why."""
     name = f"{'mpi' if mpi else 'bench'}_{config.label}"
     result = os.path.join(tmp, f"{name}.jsonl")
     plan = os.path.join(tmp, f"{name}.json")
+    cpu = backend == "cpu"
     with open(plan, "w") as f:
-        json.dump({"cases": cases, "repeat": repeat, "cpu_devices": config.per_process, "result": result}, f)
+        json.dump({"cases": cases, "repeat": repeat, "cpu_devices": config.per_process if cpu else None,
+                   "devices": config.per_process, "result": result}, f)
     env = {k: v for k, v in os.environ.items() if k not in _INHERITED_RUN_VARS}
-    env.update({"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(config.per_process), "PYTHONUNBUFFERED": "1"})
+    env["PYTHONUNBUFFERED"] = "1"
+    if cpu:
+        env.update({"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(config.per_process)})
     env.update(malloc_env(env))  # every configuration with the allocator of launched processes
     if cache_dir is not None:
         env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
@@ -327,11 +363,11 @@ def _run_worker(config: DeviceConfig, cases: list[tuple[str, int]], repeat: int,
 
 
 def _rows(records: list[dict[str, Any]], cases: list[tuple[str, int]], config: DeviceConfig, label: str,
-          error: str | None) -> list[Row]:
+          error: str | None, table: Mapping[str, Kernel] = KERNELS) -> list[Row]:
     """The table rows of one worker's records; cases without a record failed with ``error``."""
     rows = []
     for r in records:
-        row = Row(_kernel_of(r["case"]), r.get("anchor") or _first_anchor(r["case"]), r["size"], label,
+        row = Row(_kernel_of(r["case"]), r.get("anchor") or _first_anchor(r["case"], table), r["size"], label,
                   config.devices, config.processes)
         if "error" in r:
             row.status, row.reason = "failed", r["error"]
@@ -344,7 +380,7 @@ def _rows(records: list[dict[str, Any]], cases: list[tuple[str, int]], config: D
                 row.ratio = row.shardax_median_s / row.anchor_median_s
         rows.append(row)
     done = {(r["case"], r["size"]) for r in records}
-    rows += [Row(_kernel_of(case), _first_anchor(case), size, label, config.devices, config.processes,
+    rows += [Row(_kernel_of(case), _first_anchor(case, table), size, label, config.devices, config.processes,
                  status="failed", reason=error or "the worker ended without a result")
              for case, size in cases if (case, size) not in done]
     return rows
@@ -354,16 +390,16 @@ def _kernel_of(case: str) -> str:
     return "allreduce" if case == "mpi4jax" else case
 
 
-def _first_anchor(case: str) -> str:
-    return "mpi4jax" if case == "mpi4jax" else next(iter(KERNELS[case].anchors))
+def _first_anchor(case: str, table: Mapping[str, Kernel] = KERNELS) -> str:
+    return "mpi4jax" if case == "mpi4jax" else next(iter(table[case].anchors))
 
 
-def _judge(rows: list[Row], configs: Sequence[DeviceConfig]) -> None:
+def _judge(rows: list[Row], configs: Sequence[DeviceConfig], table: Mapping[str, Kernel] = KERNELS) -> None:
     """Fill in each row's target, the ratio it is checked on and whether it is met."""
     one = {(r.kernel, r.anchor, r.size): r.shardax_median_s for r in rows
            if r.devices == 1 and r.processes == 1 and r.status == "ok"}
     for row in rows:
-        kernel = KERNELS[row.kernel]
+        kernel = table[row.kernel]
         target: Target | None = kernel.targets.get(row.anchor)
         if row.devices > 1 and kernel.scaling is not None:
             target = kernel.scaling
@@ -381,8 +417,9 @@ def _judge(rows: list[Row], configs: Sequence[DeviceConfig]) -> None:
         row.met = None if row.value is None else row.value <= target.limit
 
 
-def _order(row: Row, configs: Sequence[DeviceConfig]) -> tuple[int, int, int, int]:
-    kernel = KERNELS[row.kernel]
+def _order(row: Row, configs: Sequence[DeviceConfig], table: Mapping[str, Kernel] = KERNELS
+           ) -> tuple[int, int, int, int]:
+    kernel = table[row.kernel]
     labels = [c.label for c in configs]
     config = labels.index(row.config) if row.config in labels else len(labels)
     return (list(KERNELS).index(row.kernel), list(kernel.anchors).index(row.anchor), config, row.size or 0)

@@ -49,6 +49,9 @@ class Kernel:
         scaling: goal on more than one device, against shardax on one device; None: ``targets`` applies.
         min_devices: fewest devices the kernel means something on.
         needs: modules the anchors import (a missing one turns the rows into skipped rows).
+        device_anchors: the anchors on an accelerator (GPU) backend, where the reference is the jitted JAX
+            equivalent on the same device; empty: the CPU anchors everywhere.
+        device_targets: the goals against ``device_anchors``.
     """
 
     name: str
@@ -60,9 +63,18 @@ class Kernel:
     scaling: Target | None = None
     min_devices: int = 1
     needs: tuple[str, ...] = ()
+    device_anchors: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    device_targets: Mapping[str, Target] = dataclasses.field(default_factory=dict)
 
     def sizes(self, quick: bool) -> tuple[int, ...]:
         return self.quick_sizes if quick else self.full_sizes
+
+    def on(self, backend: str) -> Kernel:
+        """This kernel as benchmarked on ``backend`` (``"cpu"`` or ``"gpu"``): the device anchors on a GPU."""
+        if backend == "cpu" or not self.device_anchors:
+            return self
+        return dataclasses.replace(self, anchors=self.device_anchors, targets=self.device_targets, needs=(),
+                                   device_anchors={}, device_targets={})
 
 
 _SCALING = Target(1.5, "1 device", "<= 1.5x 1 dev")
@@ -77,23 +89,38 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
            "{:,} rows/dev", (1 << 12, 1 << 14), (1 << 13, 1 << 15, 1 << 17),
            {"all_to_all": Target(1.5, "anchor", "<= 1.5x")}, min_devices=2),
     Kernel("zsort", {"NumPy": "NumPy Morton keys (21 bits/axis) + argsort + gather of pos, ids, mass"},
-           "{:,} pts", (1 << 15, 1 << 17), (100_000, 300_000, 1_000_000), {"NumPy": _NO_SLOWER}, _SCALING),
+           "{:,} pts", (1 << 15, 1 << 17), (100_000, 300_000, 1_000_000), {"NumPy": _NO_SLOWER}, _SCALING,
+           device_anchors={"jnp.argsort": "the same Morton keys + jnp.argsort + gather in one jit (uint64)"},
+           device_targets={"jnp.argsort": _NO_SLOWER}),
     Kernel("knn", {"cKDTree": "scipy cKDTree build + query(k=9, workers=-1)"},
            "{:,} pts", (1 << 14, 1 << 16), (100_000, 300_000, 1_000_000), {"cKDTree": _NO_SLOWER}, _SCALING,
-           needs=("scipy",)),
+           needs=("scipy",),
+           device_anchors={"brute force": "jit: squared distances to every point in query blocks + lax.top_k"},
+           device_targets={"brute force": _NO_SLOWER}),
     Kernel("fof", {"scipy FoF": "cKDTree.query_pairs + csgraph.connected_components, b=0.2, periodic"},
            "{:,} pts", (1 << 14, 1 << 16), (100_000, 300_000, 1_000_000), {"scipy FoF": _NO_SLOWER}, _SCALING,
            needs=("scipy",)),
     Kernel("potrs", {"cho_solve": "scipy cho_factor + cho_solve, float64, 1 right-hand side"},
            "N={}", (512, 1024), (1024, 2048, 4096),
-           {"cho_solve": Target(1 / 0.7, "anchor", ">= 0.7x GFLOP/s")}, needs=("scipy",)),
+           {"cho_solve": Target(1 / 0.7, "anchor", ">= 0.7x GFLOP/s")}, needs=("scipy",),
+           device_anchors={"jax cho_solve": "jax.scipy.linalg cho_factor + cho_solve in one jit, float64"},
+           device_targets={"jax cho_solve": Target(1 / 0.7, "anchor", ">= 0.7x GFLOP/s")}),
     Kernel("syevd", {"eigh": "scipy.linalg.eigh, float64"},
-           "N={}", (128, 256), (256, 512, 1024), {"eigh": Target(3.0, "anchor", "<= 3x")}, needs=("scipy",)),
+           "N={}", (128, 256), (256, 512, 1024), {"eigh": Target(3.0, "anchor", "<= 3x")}, needs=("scipy",),
+           device_anchors={"jnp eigh": "jnp.linalg.eigh in jit, float64"},
+           device_targets={"jnp eigh": Target(3.0, "anchor", "<= 3x")}),
     Kernel("fftn", {"jnp.fft": "jnp.fft.fftn on one device (jit)",
                     "jaxdecomp": "jaxdecomp pfft3d(backend='JAX') on the same slab mesh"},
            "{}^3 c64", (32, 64), (64, 128, 256),
            {"jnp.fft": Target(1.5, "anchor", "<= 1.5x"), "jaxdecomp": _NO_SLOWER}),
 )}
+
+
+
+
+def kernels(backend: str) -> dict[str, Kernel]:
+    """The benchmarked kernels with the anchors of ``backend`` (``"cpu"``: NumPy/SciPy; ``"gpu"``: jitted JAX)."""
+    return {name: kernel.on(backend) for name, kernel in KERNELS.items()}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -111,6 +138,41 @@ def numpy_zsort(pos: np.ndarray, ids: np.ndarray, mass: np.ndarray) -> tuple[np.
         key |= x << np.uint64(k)
     order = np.argsort(key)
     return pos[order], ids[order], mass[order]
+
+
+def jax_zsort(pos: Any, ids: Any, mass: Any) -> tuple[Any, ...]:
+    """:func:`numpy_zsort` in JAX (jit it under ``jax.enable_x64``: the keys are uint64)."""
+    import jax.numpy as jnp
+
+    cells = jnp.minimum(jnp.floor(pos * jnp.float32(2**21)).astype(jnp.uint64), jnp.uint64(2**21 - 1))
+    key = jnp.zeros(pos.shape[:1], jnp.uint64)
+    for k in range(3):
+        x = cells[:, k]
+        for shift, mask in ((32, 0x1F00000000FFFF), (16, 0x1F0000FF0000FF), (8, 0x100F00F00F00F00F),
+                            (4, 0x10C30C30C30C30C3), (2, 0x1249249249249249)):
+            x = (x | (x << jnp.uint64(shift))) & jnp.uint64(mask)
+        key = key | (x << jnp.uint64(k))
+    order = jnp.argsort(key)
+    return pos[order], ids[order], mass[order]
+
+
+def brute_knn(pos: Any, k: int) -> tuple[Any, Any]:
+    """Exact k nearest neighbours by brute force (jit it): squared distances of query blocks to every point, top k."""
+    import jax
+    import jax.numpy as jnp
+
+    n = pos.shape[0]
+    block = max(1, min(n, 2**28 // n))  # a block's distances take at most 1 GiB (float32)
+    padded = jnp.pad(pos, ((0, -n % block), (0, 0)))
+    norms = jnp.sum(pos * pos, axis=1)
+
+    def one(q: Any) -> tuple[Any, Any]:
+        d2 = jnp.sum(q * q, axis=1)[:, None] + norms[None, :] - 2 * q @ pos.T
+        neg, idx = jax.lax.top_k(-d2, k)
+        return -neg, idx
+
+    d2, idx = jax.lax.map(one, padded.reshape(-1, block, pos.shape[1]))
+    return d2.reshape(-1, k)[:n], idx.reshape(-1, k)[:n]
 
 
 def scipy_fof(pos: np.ndarray, linking_length: float, box: float = 1.0) -> np.ndarray:
@@ -200,14 +262,21 @@ class Timing:
 class Context:
     """The worker's world: a flat mesh of every device, and whether this rank times the anchors (rank 0 only)."""
 
-    def __init__(self, repeat: int):
+    def __init__(self, repeat: int, devices: int | None = None):
         import jax
+        from jax.sharding import Mesh
 
         from ..runtime import flat_mesh, world
 
         self.repeat = repeat
         self.world = world()
-        self.mesh = flat_mesh()
+        self.backend = "cpu" if jax.default_backend() == "cpu" else "gpu"
+        # CPU workers are started with exactly their devices; on an accelerator the first ``devices`` of one process.
+        use = self.backend == "gpu" and devices is not None and self.world.num_processes == 1
+        if use and devices > len(jax.devices()):  # type: ignore[operator]
+            raise ValueError(f"--devices asks for {devices} devices but this process has {len(jax.devices())} "
+                             f"{jax.default_backend()} device(s)")
+        self.mesh = Mesh(np.array(jax.devices()[:devices]), ("d",)) if use else flat_mesh()
         self.axis = self.mesh.axis_names[0]
         self.devices = self.mesh.devices.ravel()
         self.main = jax.process_index() == 0
@@ -341,18 +410,34 @@ def _case_zsort(ctx: Context, n: int) -> list[Timing]:
     pos, ids, mass = _points(n), np.arange(n, dtype=np.int32), np.ones(n, np.float32)
     part = ctx.particles(pos, mass=mass)
     sort = zsort.smap(ctx.mesh)
-    return ctx.time("zsort", n, lambda: sort(part, box=1.0), {"NumPy": lambda: numpy_zsort(pos, ids, mass)})
+    if ctx.backend == "cpu":
+        return ctx.time("zsort", n, lambda: sort(part, box=1.0), {"NumPy": lambda: numpy_zsort(pos, ids, mass)})
+    import jax
+
+    with jax.enable_x64(True):
+        device = jax.local_devices()[0]
+        args = [jax.device_put(a, device) for a in (pos, ids, mass)]
+        reference = jax.jit(jax_zsort)
+        return ctx.time("zsort", n, lambda: sort(part, box=1.0), {"jnp.argsort": lambda: reference(*args)})
 
 
 def _case_knn(ctx: Context, n: int, k: int = 9) -> list[Timing]:
-    from scipy.spatial import cKDTree  # pyright: ignore[reportAttributeAccessIssue]
-
     from ..spatial import knn
 
     pos = _points(n)
     part = ctx.particles(pos)
     search = knn.smap(ctx.mesh)
     ours, setup_s = _retry_capacity(lambda **options: search(part, k, **options))
+    if ctx.backend != "cpu":
+        import functools
+
+        import jax
+
+        one = jax.device_put(pos, jax.local_devices()[0])
+        brute = jax.jit(functools.partial(brute_knn, k=k))
+        return ctx.time("knn", n, ours, {"brute force": lambda: brute(one)}, setup_s=setup_s)
+    from scipy.spatial import cKDTree  # pyright: ignore[reportAttributeAccessIssue]
+
     return ctx.time("knn", n, ours, {"cKDTree": lambda: cKDTree(pos).query(pos, k=k, workers=-1)}, setup_s=setup_s)
 
 
@@ -371,7 +456,6 @@ def _case_fof(ctx: Context, n: int, b: float = 0.2) -> list[Timing]:
 
 def _case_potrs(ctx: Context, n: int) -> list[Timing]:
     import jax
-    import scipy.linalg as sl
     from jax.sharding import PartitionSpec as P
 
     from ..linalg import potrs
@@ -382,14 +466,22 @@ def _case_potrs(ctx: Context, n: int) -> list[Timing]:
     b = rng.standard_normal((n, 1))
     with jax.enable_x64(True):
         ad, bd = ctx.put(a, P(None, ctx.axis)), ctx.put(b, P())
-        return ctx.time("potrs", n, lambda: potrs(ad, bd),
-                        {"cho_solve": lambda: sl.cho_solve(sl.cho_factor(a, lower=True), b)},
-                        flops=n**3 / 3 + 2 * n**2)
+        if ctx.backend == "cpu":
+            import scipy.linalg as sl
+
+            anchors = {"cho_solve": lambda: sl.cho_solve(sl.cho_factor(a, lower=True), b)}
+        else:
+            import jax.scipy.linalg as jsl
+
+            device = jax.local_devices()[0]
+            one_a, one_b = jax.device_put(a, device), jax.device_put(b, device)
+            solve = jax.jit(lambda a, b: jsl.cho_solve(jsl.cho_factor(a, lower=True), b))
+            anchors = {"jax cho_solve": lambda: solve(one_a, one_b)}
+        return ctx.time("potrs", n, lambda: potrs(ad, bd), anchors, flops=n**3 / 3 + 2 * n**2)
 
 
 def _case_syevd(ctx: Context, n: int) -> list[Timing]:
     import jax
-    import scipy.linalg as sl
     from jax.sharding import PartitionSpec as P
 
     from ..linalg import syevd
@@ -398,7 +490,13 @@ def _case_syevd(ctx: Context, n: int) -> list[Timing]:
     a = (m + m.T) / 2
     with jax.enable_x64(True):
         ad = ctx.put(a, P(None, ctx.axis))
-        return ctx.time("syevd", n, lambda: syevd(ad), {"eigh": lambda: sl.eigh(a)})
+        if ctx.backend == "cpu":
+            import scipy.linalg as sl
+
+            return ctx.time("syevd", n, lambda: syevd(ad), {"eigh": lambda: sl.eigh(a)})
+        one = jax.device_put(a, jax.local_devices()[0])
+        eigh = jax.jit(jax.numpy.linalg.eigh)
+        return ctx.time("syevd", n, lambda: syevd(ad), {"jnp eigh": lambda: eigh(one)})
 
 
 def _case_fftn(ctx: Context, n: int) -> list[Timing]:
@@ -445,7 +543,7 @@ def worker(plan_path: str) -> int:
     """Run the cases of a plan on this process's devices; rank 0 appends one JSON line per timing to the result.
 
     The plan (JSON) holds ``cases`` (``[case, size]`` pairs, a case being a kernel name or ``"mpi4jax"``),
-    ``repeat``, ``cpu_devices`` and ``result`` (the path of the JSON-lines file). Each record names its ``case``. A
+    ``repeat``, ``cpu_devices`` (``None`` on an accelerator), ``devices`` (per process) and ``result`` (the path of the JSON-lines file). Each record names its ``case``. A
     failing case is written as ``{"case", "kernel", "size", "error"}`` and the next one runs; on
     several processes the error ends the run instead (the other ranks would wait for it in a collective).
     """
@@ -454,7 +552,7 @@ def worker(plan_path: str) -> int:
     with open(plan_path) as f:
         plan = json.load(f)
     initialize(cpu_devices=plan["cpu_devices"])
-    ctx = Context(plan["repeat"])
+    ctx = Context(plan["repeat"], plan.get("devices"))
     for case, size in plan["cases"]:
         try:
             timings = CASES[case](ctx, size)
