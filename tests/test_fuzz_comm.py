@@ -38,6 +38,8 @@ def _exchange_fn(capacity):
 
 
 FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Properties whose programs compile once (a few capacities or ops): many cases for little time.
+MANY = settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
@@ -51,7 +53,7 @@ def traffic(draw):
     return counts, capacity
 
 
-@FUZZ
+@MANY
 @given(traffic())
 def test_alltoallv_fuzz(case):
     counts, capacity = case
@@ -66,7 +68,7 @@ def test_alltoallv_fuzz(case):
         assert not data[d, kept:].any()
 
 
-@FUZZ
+@MANY
 @given(st.lists(st.integers(-2, SIZE + 1), min_size=SIZE * ROWS, max_size=SIZE * ROWS),
        st.lists(st.integers(0, ROWS), min_size=SIZE, max_size=SIZE), st.sampled_from([8, 16, 32, 80]))
 def test_exchange_never_loses_rows(dest, nums, capacity):
@@ -105,3 +107,65 @@ def test_smap_specs_fuzz(entries, shape):
         assert str(err), "errors must say what was wrong"
         return
     np.testing.assert_array_equal(out, x)
+
+
+def _reduce_fn(op):
+    key = ("allreduce", op)
+    if key not in _compiled:
+        def f(x):
+            return sx.comm.allreduce(x, op), sx.comm.allgather(x, tiled=True)
+
+        _compiled[key] = sx.smap(f, in_specs=P(sx.ALL), out_specs=(P(), P()), mesh=make_mesh((SIZE,)), jit=True)
+    return _compiled[key]
+
+
+VALUES = st.sampled_from([0.0, -0.0, 1.0, -3.5, 1e30, -1e30, 1e-30, 1e-40, float("inf"), -float("inf"), 2.0**24 + 1])
+
+
+@MANY
+@given(st.sampled_from(["sum", "max", "min"]), st.lists(VALUES, min_size=SIZE * 3, max_size=SIZE * 3))
+def test_allreduce_allgather_fuzz(op, values):
+    """allreduce (sum/max/min) and allgather of extreme float32 values against NumPy on the gathered data (XLA:CPU
+    may flush subnormals to zero in arithmetic: those differ by less than the smallest normal number)."""
+    x = np.asarray(values, np.float32).reshape(SIZE, 3)
+    total, gathered = (np.asarray(a) for a in _reduce_fn(op)(x))
+    np.testing.assert_array_equal(gathered.reshape(x.shape), x)  # moved, not computed: bit for bit
+    with np.errstate(all="ignore"):
+        want = {"sum": np.sum, "max": np.max, "min": np.min}[op](x.astype(np.float64), axis=0)
+    np.testing.assert_allclose(total.reshape(-1), want, rtol=1e-6, atol=SIZE * np.finfo(np.float32).tiny)
+
+
+LEAVES = (st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=True) | st.text(max_size=5)
+          | st.builds(lambda n, v: np.full(n, v, np.float32), st.integers(0, 3), st.floats(-2, 2)))
+STATIC = st.recursive(LEAVES, lambda inner: st.lists(inner, max_size=3) | st.tuples(inner, inner)
+                      | st.dictionaries(st.text(max_size=3), inner, max_size=3), max_leaves=8)
+
+
+def _typed(value):
+    """What a program fingerprint distinguishes: types and values (NaN equal to NaN, 1 unlike 1.0 and True)."""
+    if isinstance(value, np.ndarray):
+        return ("ndarray", value.dtype.str, value.shape, repr(value.tolist()))
+    if isinstance(value, list | tuple):
+        return (type(value).__name__, tuple(_typed(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((repr(k), _typed(v)) for k, v in value.items())))
+    return (type(value).__name__, repr(value))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(STATIC, STATIC)
+def test_program_fingerprint_fuzz(a, b):
+    """The program guard's fingerprints: equal for equal values built separately (no ids or addresses), different
+    for different ones; a function's fingerprint follows the values it captures."""
+    import copy
+
+    from shardax.runtime._fingerprint import function_items, value_item
+
+    assert value_item("v", a) == value_item("v", copy.deepcopy(a))
+    assert (value_item("v", a).digest == value_item("v", b).digest) == (_typed(a) == _typed(b))
+
+    def capture(value):
+        return lambda x: (x, value)
+
+    same = function_items(capture(a))[1] == function_items(capture(b))[1]
+    assert same == (_typed(a) == _typed(b))

@@ -74,6 +74,16 @@ def poisoned(pos: np.ndarray, poison: str | None, seed: int) -> np.ndarray:
     return pos
 
 
+def outside_box(pos: np.ndarray, box: Any) -> bool:
+    """Whether finite rows of ``pos`` lie beyond the tolerance the kernels wrap (a quarter box around
+    ``[0, box)``): the kernels then refuse the box (docs/reliability.md)."""
+    finite = pos[np.all(np.isfinite(pos), axis=1)].astype(np.float64)
+    if box is None or not len(finite):
+        return False
+    edge = np.broadcast_to(np.asarray(box, np.float64), (pos.shape[1],))
+    return bool(np.any(finite < -0.25 * edge) or np.any(finite >= 1.25 * edge))
+
+
 def ftz(x: np.ndarray) -> np.ndarray:
     """Subnormal numbers flushed to zero, as XLA:CPU computes."""
     return np.where(np.abs(x) < np.finfo(x.dtype).tiny, np.zeros_like(x), x)
@@ -214,7 +224,7 @@ def mesh4() -> Mesh:
 ZSORT_CONFIGS = {"open": (None, True, None), "periodic": (1.0, False, None), "tight": (None, True, 3)}
 
 
-@fuzz(40)
+@fuzz(60)
 @given(cloud(), st.sampled_from(tuple(ZSORT_CONFIGS)), faults("box", "part"), st.integers(0, 99))
 def test_zsort_fuzz(case, config, fault, pick):
     counts, kind, seed, poison = case
@@ -226,6 +236,8 @@ def test_zsort_fuzz(case, config, fault, pick):
     names = {"box"} if fault == "box" else {"part", "pos"} if fault == "part" else set()
     if poison in ("nan", "inf") and len(pos):
         names.add("pos")
+    if fault is None and outside_box(pos, box):
+        names.add("box")
     zsort = sx.particles.zsort.smap(mesh4())
     try:
         out = expect(lambda: zsort(part, box=box, equalize=equalize, capacity=capacity), names)
@@ -280,7 +292,7 @@ def extent_range(dim: int = 3) -> tuple[float, float]:
     return float(np.sqrt(F32.tiny) / F32.eps), float(np.sqrt(F32.max / dim)) / 2
 
 
-@fuzz(80)
+@fuzz(150)
 @given(st.sampled_from(KINDS), st.integers(0, 2**16), st.integers(-2, N_LOCAL + 2), st.sampled_from(POISON),
        st.sampled_from([1.0, (1.0, 2.0, 0.5)]), faults("k", "box", "part"), st.integers(0, 99))
 def test_knn_local_fuzz(kind, seed, num, poison, box, fault, pick):
@@ -300,6 +312,8 @@ def test_knn_local_fuzz(kind, seed, num, poison, box, fault, pick):
         names.add("part")
     if not 0 <= num <= N_LOCAL:
         names.add("num")  # a concrete count outside [0, n] is refused (traced ones are clipped)
+    if fault != "box" and outside_box(pos[:valid], box):
+        names.add("box")
     res = expect(lambda: knn(part, k, box=box), names)
     if res is None:
         return
@@ -358,7 +372,7 @@ def fof_local_jit() -> Callable[..., jax.Array]:
     return jax.jit(lambda pos, num, ll: fof(Particles(pos=pos, num=num), ll, min_members=2).labels)
 
 
-@fuzz(40)
+@fuzz(80)
 @given(st.sampled_from(KINDS), st.integers(0, 2**16), st.integers(-2, N_LOCAL + 2), st.sampled_from(POISON),
        st.sampled_from(FOF_LL), faults("linking_length", "min_members", "box"),
        st.integers(0, 99))
@@ -400,6 +414,8 @@ def test_fof_smap_fuzz(case, fault, pick):
     names = {"part", "pos"} if fault == "part" else {fault} if fault else set()
     if poison in ("nan", "inf") and sum(counts):
         names.add("pos")
+    if fault != "box" and outside_box(pos, box):
+        names.add("box")
     try:
         res = expect(lambda: fof.smap(mesh4())(part, ll, box=box, min_members=min_members), names)
     except sx.CapacityError as err:
@@ -582,10 +598,11 @@ GRID = (4, 4, 4)
 BAD_GRIDS = ((3, 4, 4), (4, 4), (0, 4, 4), (4.5, 4, 4), "444", None)
 
 
-@fuzz(30)
+@fuzz(50)
 @given(cloud(), faults("shape", "box", "capacity", "part"), st.integers(0, 99))
 def test_paint_fuzz(case, fault, pick):
-    """CIC paint on mesh (2, 2) (pencils), periodic unit box; particles anywhere, empty devices."""
+    """CIC paint on mesh (2, 2) (pencils), periodic unit box; particles anywhere (beyond a quarter box outside:
+    ValueError naming the box), empty devices."""
     counts, kind, seed, poison = case
     pos = poisoned(positions(kind, seed, sum(counts)), poison, seed)
     mesh = mesh22()
@@ -602,6 +619,8 @@ def test_paint_fuzz(case, fault, pick):
         else set()
     if poison in ("nan", "inf") and sum(counts):
         names.add("pos")
+    if fault != "box" and outside_box(pos, box):
+        names.add("box")
     try:
         rho = expect(lambda: sx.fields.paint(part, shape, box=box, capacity=capacity), names)
     except sx.CapacityError as err:
@@ -615,6 +634,142 @@ def test_paint_fuzz(case, fault, pick):
         wrapped = np.mod(ftz(pos).astype(np.float64), 1.0)
     want = cic_numpy(wrapped, mass.astype(np.float64), GRID, 1.0)
     np.testing.assert_allclose(np.asarray(rho), want, rtol=1e-5, atol=1e-5 * (1 + mass.sum()))
+
+
+# ---------------------------------------------------------------- data against its box, dtypes, host input
+
+# Data made in a box of ``made`` (times the kernel's box 1.0), shifted by ``shift``: fits (0.5, 1), drifted a
+# little (within a quarter box: wrapped), or another box altogether (a 420 catalogue passed box=210: 2).
+MADE = (0.5, 1.0, 1.0, 1.0, 1.2, 2.0, 420.0 / 210.0, 10.0)
+SHIFT = (0.0, 0.0, -0.2, 0.1, -0.3, 0.3)
+
+
+@fuzz(300)
+@given(st.sampled_from(("zsort", "fof", "paint", "knn")), st.lists(st.integers(0, CAP), min_size=NDEV,
+                                                                     max_size=NDEV),
+       st.sampled_from(MADE), st.sampled_from(SHIFT), st.booleans(), st.integers(0, 2**16))
+def test_data_against_its_box_fuzz(op, counts, made, shift, duplicates, seed):
+    """Every kernel with a periodic box: positions drifted by less than a quarter box are wrapped and the result
+    equals the reference on the wrapped data; data beyond that is a ValueError naming the box and the data's span.
+    Same static configurations as the properties above (nothing new to compile)."""
+    total = sum(counts)
+    rng = np.random.default_rng(seed)
+    pos = (rng.random((total, 3)) * made + shift).astype(np.float32)
+    if duplicates and total > 2:
+        pos[total // 2:] = pos[: total - total // 2]  # every position twice: exact ties
+    names = {r"do not fit the periodic box 1\.0.*span"} if outside_box(pos, 1.0) else set()
+    wrapped = np.mod(pos.astype(np.float64), 1.0)
+    if op == "knn":  # local view, one device: the rows of the first device
+        part = Particles(pos=jnp.asarray(np.concatenate([pos, np.zeros((N_LOCAL, 3), np.float32)])[:N_LOCAL]),
+                         num=jnp.int32(min(total, N_LOCAL)))
+        valid = min(total, N_LOCAL)
+        names = {r"do not fit the periodic box 1\.0.*span"} if outside_box(pos[:valid], 1.0) else set()
+        if valid < KNN_K:
+            names.add(r"\bk\b")
+        res = expect(lambda: knn(part, KNN_K, box=1.0), names)
+        if res is not None:
+            check_knn(np.asarray(res.distances)[:valid], np.asarray(res.indices)[:valid], pos[:valid],
+                      np.ones(3), KNN_K, exact_ties=False)
+        return
+    mesh = mesh22() if op == "paint" else mesh4()
+    part = global_particles(mesh, pos, counts)
+    call = {
+        "zsort": lambda: sx.particles.zsort.smap(mesh)(part, box=1.0, equalize=False)[0],
+        "fof": lambda: fof.smap(mesh)(part, 0.2, box=1.0, min_members=2),
+        "paint": lambda: sx.fields.paint(part, GRID, box=1.0),
+    }[op]
+    try:
+        out = expect(call, names)
+    except sx.CapacityError as err:
+        event("valid: honest CapacityError")
+        assert err.needed and err.needed > (err.available or 0)
+        return
+    if out is None:
+        return
+    if op == "zsort":
+        got_pos, got_ids = gathered(out, "pos", "ids")
+        assert sorted(got_ids.tolist()) == list(range(total)) and np.all((got_pos >= 0) & (got_pos < 1))
+        diff = got_pos.astype(np.float64) - wrapped[got_ids]
+        np.testing.assert_allclose(diff - np.round(diff), 0, atol=2 * F32.eps)
+    elif op == "fof":
+        labels = labels_by_input_index(np.asarray(out.labels), np.asarray(part.ids), np.asarray(part.num), total)
+        fof_labels_ok(labels, wrapped, 0.2, 1.0, 2)
+    else:
+        _, mass = gathered(part, "pos", "mass")
+        want = cic_numpy(wrapped, mass.astype(np.float64), GRID, 1.0)
+        np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5 * (1 + mass.sum()))
+
+
+HOST_DTYPES = ("float32", "float32", "float64", "float16", "int32", "int64", "bool", "complex64")
+HOST_SHAPES = ("rows", "rows", "empty", "one", "flat", "four", "two")
+
+
+def host_positions(shape: str, dtype: str, seed: int, n: int = 12) -> np.ndarray:
+    rows = {"rows": n, "empty": 0, "one": 1, "flat": n, "four": n, "two": n}[shape]
+    pos = np.random.default_rng(seed).random((rows, {"four": 4, "two": 2}.get(shape, 3)))
+    if shape == "flat":
+        pos = pos.reshape(-1)
+    return pos.astype(dtype) if dtype != "bool" else pos > 0.5
+
+
+def host_errors(pos: np.ndarray, poison: str | None, dims: tuple[int, ...] = (2, 3)) -> set[str]:
+    if pos.ndim != 2 or pos.shape[1] not in dims:
+        return {"shape"}
+    if pos.dtype not in (np.float32, np.float64):
+        return {r"float32 or float64.*astype"}
+    if poison in ("nan", "inf") and len(pos):
+        return {"NaN or infinite"}
+    return set()
+
+
+@fuzz(200)
+@given(st.sampled_from(HOST_SHAPES), st.sampled_from(HOST_DTYPES), st.sampled_from(POISON),
+       st.sampled_from((1.0, 1.25, 3.0, 0.5, True)), st.integers(0, 2**16))
+def test_from_numpy_fuzz(shape, dtype, poison, capacity_factor, seed):
+    """``from_numpy``: one dtype policy (float32/float64; float16, ints, bools, complex: TypeError saying to cast),
+    shapes (empty and one-row sets are valid), NaN/inf, capacity factors; valid input round-trips through squeeze."""
+    pos = host_positions(shape, dtype, seed)
+    if pos.dtype.kind == "f" and pos.ndim == 2:
+        pos = poisoned(pos, poison, seed)
+    names = host_errors(pos, poison)
+    if not names and (isinstance(capacity_factor, bool) or capacity_factor < 1):
+        names = {"capacity_factor"}
+    part = expect(lambda: sx.particles.from_numpy(pos, mesh=mesh4(), capacity_factor=capacity_factor), names)
+    if part is None:
+        return
+    out = sx.particles.squeeze(part)
+    np.testing.assert_array_equal(out["pos"], pos.astype(np.float32))
+    np.testing.assert_array_equal(out["ids"], np.arange(len(pos)))
+    assert part.pos.shape[:2] == (NDEV, max(1, int(np.ceil(capacity_factor * len(pos) / NDEV)),
+                                            -(-len(pos) // NDEV)))
+
+
+@fuzz(150)
+@given(st.sampled_from(HOST_SHAPES), st.sampled_from(HOST_DTYPES), st.sampled_from(POISON),
+       st.sampled_from(MADE), st.sampled_from(SHIFT), st.sampled_from((1.0, 1.0, 2.0, 0.0, -1.0, float("nan"))),
+       st.integers(0, 2**16))
+def test_write_snapshot_fuzz(tmp_path_factory, shape, dtype, poison, made, shift, box, seed):
+    """``write_snapshot`` enforces its contract (float32/float64, (N, 3), finite, inside the box up to the
+    wrapping tolerance, a positive box) and ``read_snapshot`` gives back the wrapped coordinates."""
+    pos = host_positions(shape, dtype, seed)
+    if pos.dtype.kind == "f":
+        pos = pos * pos.dtype.type(made) + pos.dtype.type(shift)
+        if pos.ndim == 2:
+            pos = poisoned(pos, poison, seed)
+    names = host_errors(pos, poison, dims=(3,))
+    if pos.ndim == 2 and pos.shape[1] == 3 and pos.dtype.kind == "f":  # any of the value errors may come first
+        if not (np.isfinite(box) and box > 0):
+            names.add("box must be a positive finite number")
+        elif outside_box(pos, box):
+            names.add("do not fit the periodic box")
+    path = tmp_path_factory.mktemp("snap") / "snap.hdf5"
+    if expect(lambda: sx.io.write_snapshot(path, pos, box=box), names) is None and names:
+        return
+    snap = sx.io.read_snapshot(path, mesh=mesh4())
+    got = sx.particles.squeeze(snap.part)["pos"]
+    assert snap.total == len(pos) and np.all((got >= 0) & (got < box))
+    diff = got.astype(np.float64) - pos.astype(np.float32).astype(np.float64)
+    np.testing.assert_allclose(diff - box * np.round(diff / box), 0, atol=4 * F32.eps * box * max(1, made))
 
 
 # ---------------------------------------------------------------- regressions for the bugs the fuzzing found
@@ -694,12 +849,21 @@ def test_syevd_converges_for_padded_sizes():
             np.testing.assert_allclose(np.asarray(w), want, rtol=1e-5)
 
 
-def test_paint_rejects_non_finite_and_wraps_far_positions():
+def test_paint_rejects_non_finite_and_far_positions_and_wraps_drifted_ones():
     mesh = mesh22()
     pos = positions("unit", 3, 8)
+    mass = (1 + np.arange(8) % 3).astype(np.float64)
+    drifted = pos * np.float32(1.4) - np.float32(0.2)  # within a quarter box of [0, 1): wrapped
+    rho = sx.fields.paint(global_particles(mesh, drifted, [2, 2, 2, 2]), GRID, box=1.0)
+    want = cic_numpy(np.mod(drifted.astype(np.float64), 1.0), mass, GRID, 1.0)
+    np.testing.assert_allclose(np.asarray(rho), want, rtol=1e-5, atol=1e-5)
     far = pos + np.float32(2.0**20)  # float32 values far outside the box: int32 cell indices overflowed
-    rho = sx.fields.paint(global_particles(mesh, far, [2, 2, 2, 2]), GRID, box=1.0)
-    want = cic_numpy(np.mod(far.astype(np.float64), 1.0), (1 + np.arange(8) % 3).astype(np.float64), GRID, 1.0)
+    with pytest.raises(ValueError, match=r"do not fit the periodic box 1.0: on axis 0 they span \[1.04858e\+06"):
+        sx.fields.paint(global_particles(mesh, far, [2, 2, 2, 2]), GRID, box=1.0)
+    # Inside a user's jit nothing can be checked: far positions are wrapped (without overflowing) as before.
+    in_jit = jax.jit(lambda part: sx.fields.paint(part, GRID, box=1.0, mesh=mesh))
+    rho = in_jit(global_particles(mesh, far, [2, 2, 2, 2]))
+    want = cic_numpy(np.mod(far.astype(np.float64), 1.0), mass, GRID, 1.0)
     np.testing.assert_allclose(np.asarray(rho), want, rtol=1e-5, atol=1e-5)
     pos[3, 1] = np.nan
     with pytest.raises(ValueError, match="NaN or infinite"):
@@ -707,4 +871,4 @@ def test_paint_rejects_non_finite_and_wraps_far_positions():
     with pytest.raises(ValueError, match="box"):
         sx.fields.paint(global_particles(mesh, far, [2, 2, 2, 2]), GRID, box=float("inf"))
     with pytest.raises(TypeError, match="shape"):
-        sx.fields.paint(global_particles(mesh, far, [2, 2, 2, 2]), (4.5, 4, 4), box=1.0)
+        sx.fields.paint(global_particles(mesh, drifted, [2, 2, 2, 2]), (4.5, 4, 4), box=1.0)

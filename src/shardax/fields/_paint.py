@@ -18,6 +18,7 @@ from .._errors import CapacityError
 from ..comm._alltoallv import count_by_rank
 from ..core import ALL, default_mesh, rank_info, smap
 from ..particles import Particles
+from ..particles._bounds import check_global, check_part
 from ..particles._particles import check_count, check_positions, row_count
 from ._grid import Grid, _box3, _shape3, cell_index, default_spec, field_sharding
 
@@ -167,6 +168,7 @@ def local_paint(part: Any, shape: Sequence[int], *, box: Any, spec: Any = None, 
         (1.0, 1.0)
     """
     _check(part, "local_paint")
+    check_part(part, box, "local_paint")
     grid = Grid.local(shape, spec, box, "local_paint")
     capacity = _capacity(capacity, part)
     n = row_count(part)
@@ -212,6 +214,7 @@ def local_readout(field: jax.Array, part: Any, *, box: Any, spec: Any = None, ca
         8.0
     """
     _check(part, "local_readout")
+    check_part(part, box, "local_readout")
     if np.ndim(field) != 3:
         raise ValueError(f"local_readout: field must be this device's 3D block, got shape {np.shape(field)}")
     grid = Grid.from_block(np.shape(field), spec, box, "local_readout")
@@ -309,6 +312,7 @@ def paint(part: Any, shape: Sequence[int], *, box: Any, mesh: Mesh | None = None
     the_spec = default_spec(the_mesh) if spec is None else spec
     shape3 = _shape3(shape)
     box_key = box if isinstance(box, int | float) else _box3(box)
+    check_global(part, box, "paint", the_mesh)
     field, needed, nonfinite = _paint_fn(the_mesh, shape3, box_key, the_spec, capacity)(_rows(part))
     if not isinstance(needed, Tracer):  # (under an outer jit nothing can be checked)
         needed, nonfinite = jax.device_get((needed, nonfinite))  # one transfer for both checks
@@ -352,6 +356,7 @@ def readout(field: jax.Array, part: Any, *, box: Any, mesh: Mesh | None = None, 
     _check_global(part, "readout")
     the_mesh, the_spec = field_sharding(field, mesh, spec, "readout")
     box_key = box if isinstance(box, int | float) else _box3(box)
+    check_global(part, box, "readout")
     values, needed, nonfinite = _readout_fn(the_mesh, box_key, the_spec, capacity)(field, _rows(part))
     if not isinstance(needed, Tracer):
         needed, nonfinite = jax.device_get((needed, nonfinite))

@@ -42,6 +42,7 @@ from ..comm._alltoallv import (
 )
 from ..core import ALL, rank_info, smap
 from ..core._rank import resolve_axes
+from ._bounds import check_global, check_part
 from ._domain import Domain, domain_of
 from ._morton import Box, KeyBox, key_box, morton_key, periodic_box, wrap
 from ._particles import check_count, check_positions, map_rows, replace_field, with_num
@@ -511,6 +512,7 @@ def zsort(part: T, *, box: Box | None = None, equalize: bool = True, capacity: i
         (1000, False)
         >>> zpart, overflow = zsort.smap()(sx.particles.uniform.smap()(1000))   # global: (ndev, cap, 3)
     """
+    check_part(part, box, "zsort")
     result = sort_particles(part, box, equalize, capacity)
     if return_domain:
         return result.part, result.overflow, domain_of(result.part, result.key_box, num_cells)
@@ -555,6 +557,7 @@ def _constructed(mesh: Mesh | None, jit: bool, donate: bool) -> Callable[..., An
         dtype = jnp.result_type(part.pos)
         if box is not None and not isinstance(box, Tracer) and dtype in (jnp.float32, jnp.float64):
             periodic_box(box, int(jnp.shape(part.pos)[-1]), dtype)  # clear errors before anything is traced
+            check_global(part, box, "zsort.smap", mesh)
         static_box = box is None or isinstance(box, int | float | tuple)
         leaves, treedef = jax.tree.flatten(part)
         key = (treedef, static_box, box if static_box else None, equalize, capacity, return_domain, num_cells)

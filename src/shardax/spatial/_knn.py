@@ -17,6 +17,7 @@ from .._errors import CapacityError
 from ..comm import allgather, allreduce, scan
 from ..core import ALL, rank_info, smap
 from ..particles import Particles
+from ..particles._bounds import check_global, check_local
 from ..particles._morton import given_box_values
 from ..particles._particles import check_count
 from ._knn_dist import Flags, default_ghost_capacity, distributed_knn
@@ -124,10 +125,11 @@ def _check_k(k: Any, n: int, valid: jax.Array) -> None:
     if k < 1:
         raise ValueError(f"knn: k must be >= 1, got {k}")
     if rank_info().size == 1:
-        if k > n:
-            raise ValueError(f"knn: k={k} is larger than the number of particle rows ({n}); lower k")
         if not isinstance(valid, Tracer) and k > int(jnp.sum(valid)):
             raise ValueError(f"knn: k={k} is larger than the number of particles ({int(jnp.sum(valid))}); lower k")
+        if k > n:
+            raise ValueError(f"knn: k={k} is larger than the {n} rows of part (padding included), hence than its "
+                             "number of particles; lower k")
 
 
 @overload
@@ -247,6 +249,9 @@ def _knn(part: Any, k: int, *, box: Box, query: Any, reduce: Reduce | None, ghos
                           "part and query")
         qpart = query if hasattr(query, "pos") else Particles(pos=qpos, num=jnp.sum(qvalid, dtype=jnp.int32))
     boxv = _box_vector(box, dim, pos.dtype)
+    check_local(pos, valid, box, "knn: part")
+    if query is not None:
+        check_local(qpos, qvalid, box, "knn: query")
     if reduce is not None and not callable(reduce):
         raise TypeError(f"knn: reduce must be a callable reduce(distances=, indices=, part=), got {reduce!r}")
 
@@ -307,9 +312,15 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
                              f"from_numpy), got {jnp.shape(part.pos)}; call knn() for the local view")
         check_count(part.num, int(jnp.shape(part.pos)[1]), "knn.smap")
         rows = int(np.prod(jnp.shape(part.pos)[:2]))
-        _check_k(k, rows, jnp.ones((rows,), bool))  # before compiling a search for an impossible k
+        num = part.num
+        if isinstance(num, Tracer) or (isinstance(num, jax.Array) and not num.is_fully_addressable):
+            filled = jnp.ones((rows,), bool)  # only the rows are known here
+        else:
+            filled = (jnp.arange(jnp.shape(part.pos)[1])[None, :] < jnp.asarray(num)[:, None]).reshape(-1)
+        _check_k(k, rows, filled)  # before compiling a search for an impossible k
         if box is not None and jnp.issubdtype(jnp.result_type(part.pos), jnp.floating):
             _box_vector(box, int(jnp.shape(part.pos)[-1]), jnp.result_type(part.pos))
+            check_global(part, box, "knn.smap", mesh)
         static_box = _static_box(box)
         # Pytrees travel as flat leaf lists: smap's spec broadcasting would give an absent (None) field a spec.
         part_leaves, part_def = jax.tree.flatten(part)
@@ -338,7 +349,7 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
                 checks = tuple(allreduce(jnp.asarray(f, jnp.int32), "max") for f in flags)
                 return result, zpart, (*checks, total, nonfinite, extent)
 
-            fn = smap(body, in_specs=(ALL, ALL), out_specs=(ALL, ALL, P()), mesh=mesh, jit=jit)
+            fn = smap(body, in_specs=(ALL, ALL), out_specs=(ALL, ALL, P()), mesh=mesh, jit=jit, name="knn.smap")
             cache[key] = fn
         result, zpart, checks = fn(part_leaves, query_leaves)
         ghost_overflow, ghost_needed, sort_overflow, sort_needed, total, nonfinite, extent = checks
