@@ -134,6 +134,8 @@ def test_gpu_benchmark_records_a_section_past_its_limit(tmp_path) -> None:
     report = _gpu_benchmark(tmp_path, "--quick", "--only", "syevd", "--limit-scale", "0.001")
     (row,) = report["results"]
     assert row["section"] == "syevd" and row["error"].startswith("timed out")
+    report = _gpu_benchmark(tmp_path, "--quick", "--only", "syevd,fftn", "--budget", "1")
+    assert [r["error"].startswith("skipped") for r in report["results"]] == [True, True]
 
 
 def test_backend_choice_and_device_anchors() -> None:
