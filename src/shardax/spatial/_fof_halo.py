@@ -132,13 +132,20 @@ def piece_cells(pos: jax.Array, num: jax.Array, origin: jax.Array, extent: jax.A
     differ = jnp.bitwise_or.reduce(grid[1:] ^ grid[:-1], axis=1) if dim > 1 else grid[1:, 0] ^ grid[:-1, 0]
     split = lax.clz(differ) - (32 - levels)  # common leading bits of all coordinates (levels if equal)
     boundary = rows[1:] < num
-    hist = jnp.zeros((levels + 2,), jnp.int32).at[jnp.where(boundary, split, levels + 1)].add(1)
-    runs_at = 1 + jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(hist[:levels])])
+    # Counts by comparison, not by a scatter-add: nearly every row falls in the last level or two (or in the
+    # padding's bin), and adds piling onto one address serialise on a GPU.
+    hist = jnp.sum(jnp.where(boundary, split, levels + 1)[:, None] == jnp.arange(levels, dtype=jnp.int32)[None, :],
+                   axis=0, dtype=jnp.int32)
+    runs_at = 1 + jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(hist)])
     level = jnp.sum(runs_at <= cells).astype(jnp.int32) - 1
     new = jnp.concatenate([jnp.zeros((1,), bool), boundary & (split < level)])
     run = jnp.where(valid, jnp.cumsum(new.astype(jnp.int32)), cells)
-    count = jnp.zeros((cells + 1,), jnp.int32).at[run].add(1)[:cells]
-    start = jnp.cumsum(count) - count
+    # Runs are consecutive rows numbered 0, 1, ...: each run's first row writes its start (distinct addresses),
+    # runs past the last start at ``num``, and a run's count is the gap to the next start.
+    opens = valid & jnp.concatenate([jnp.ones((1,), bool), new[1:]])
+    start = jnp.full((cells + 1,), num, jnp.int32).at[jnp.where(opens, run, cells + 1)].set(rows, mode="drop")
+    count = start[1:] - start[:-1]
+    start = start[:cells]
     big = jnp.asarray(jnp.inf, pos.dtype)
     lower = jax.ops.segment_min(jnp.where(valid[:, None], pos, big), run, cells + 1, indices_are_sorted=True)
     upper = jax.ops.segment_max(jnp.where(valid[:, None], pos, -big), run, cells + 1, indices_are_sorted=True)
