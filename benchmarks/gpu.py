@@ -317,11 +317,12 @@ def _potrs(n: int, dtype: str, sizes: dict[str, Any]) -> list[dict[str, Any]]:
     ref_fn = jax.jit(lambda a, b: jsl.cho_solve(jsl.cho_factor(a, lower=True), b))
     first, median, x = _timed(lambda: sx.linalg.potrs(a, b), repeat)
     _, ref_median, ref = _timed(lambda: ref_fn(a, b), repeat)
-    residual = float(jnp.linalg.norm(a @ x - b) / jnp.linalg.norm(b))
+    residual = float(jnp.linalg.norm(jnp.matmul(a, x, precision="highest") - b) / jnp.linalg.norm(b))
     diff = float(jnp.max(jnp.abs(x - ref)) / jnp.max(jnp.abs(ref)))
-    tol = 1e-3 if dtype == "float32" else 1e-10
+    # float32 products on a GPU may run in TF32 (XLA's default precision there): 1e-3-level differences.
+    tol = 1e-2 if dtype == "float32" else 1e-10
     return [_row("potrs", f"{dtype} N={n}", first, median, "cho_factor + cho_solve", ref_median,
-                 residual < tol and diff < 10 * tol, f"residual {residual:.1e}, max rel diff to ref {diff:.1e}")]
+                 residual < tol and diff < tol, f"residual {residual:.1e}, max rel diff to ref {diff:.1e}")]
 
 
 def _syevd(sizes: dict[str, Any]) -> list[dict[str, Any]]:

@@ -176,3 +176,15 @@ def test_exchange_on_one_device_drops_bad_destinations() -> None:
                                       expand=False)(pos, dest)
     np.testing.assert_array_equal(moved[0], [0.0, 2.0, 4.0, 0.0])
     assert int(num[0]) == 3 and bool(overflow[0])  # a bad destination is reported as overflow
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_group_by_rank_counts_from_the_sort(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardax.comm._alltoallv import group_by_rank
+
+    monkeypatch.setenv("SHARDAX_TUNING", backend)
+    for size in (3, COMPARE_RANKS + 5):
+        key = np.random.default_rng(size).integers(0, size + 1, 500)  # ``size``: not sent
+        perm, counts = group_by_rank(jnp.asarray(key, jnp.int32), size)
+        np.testing.assert_array_equal(counts, np.bincount(key, minlength=size + 1)[:size])
+        np.testing.assert_array_equal(perm, np.argsort(key, kind="stable"))

@@ -332,8 +332,12 @@ def count_by_rank(key: jax.Array, size: int) -> jax.Array:
 
 
 def _sorted_counts(words: jax.Array, size: int, n: int) -> jax.Array:
-    """Rows of each rank in ascending ``words`` whose rank is ``word // n`` (words ``>= size * n`` not counted)."""
-    bounds = jnp.searchsorted(words, jnp.arange(size + 1, dtype=words.dtype) * n, side="left")
+    """Rows of each rank in ascending ``words`` whose rank is ``word // n`` (words ``>= size * n`` not counted).
+
+    A binary search per rank: a loop of ``log2(len(words))`` small steps on CPU; on GPUs, where each loop step is
+    a launch, one fused compare-and-sum pass for a few ranks, a sort of the queries into the words for many."""
+    method = "scan" if tuning_backend() == "cpu" else "compare_all" if size < COMPARE_RANKS else "sort"
+    bounds = jnp.searchsorted(words, jnp.arange(size + 1, dtype=words.dtype) * n, side="left", method=method)
     return jnp.diff(bounds).astype(jnp.int32)
 
 
