@@ -196,12 +196,11 @@ def _fof(n: int, b: float, sizes: dict[str, Any], check: bool) -> list[dict[str,
     return rows
 
 
-def _cic_reference(pos: Any, shape: tuple[int, int, int]) -> tuple[Any, Any]:
-    """Lower cells `(n, 3)` and the eight ``(index, weight)`` corners of plain JAX CIC in a unit box."""
+def _cic_corners(pos: Any, shape: tuple[int, int, int]) -> list[tuple[Any, Any]]:
+    """The eight ``(index (n, 3), weight (n,))`` corners of plain JAX CIC in a unit periodic box."""
     import jax.numpy as jnp
 
-    grid = jnp.asarray(shape, jnp.float32)
-    scaled = pos * grid
+    scaled = pos * jnp.asarray(shape, jnp.float32)
     lower = jnp.floor(scaled)
     frac = scaled - lower
     lower = lower.astype(jnp.int32)
@@ -211,7 +210,7 @@ def _cic_reference(pos: Any, shape: tuple[int, int, int]) -> tuple[Any, Any]:
         weight = jnp.prod(jnp.where(on, frac, 1 - frac), axis=1)
         index = (lower + jnp.asarray(c, jnp.int32)[None, :]) % jnp.asarray(shape, jnp.int32)[None, :]
         corners.append((index, weight))
-    return corners, lower
+    return corners
 
 
 def _paint(sizes: dict[str, Any]) -> list[dict[str, Any]]:
@@ -230,14 +229,14 @@ def _paint(sizes: dict[str, Any]) -> list[dict[str, Any]]:
     @jax.jit
     def plain_paint(pos: jax.Array) -> jax.Array:
         rho = jnp.zeros(shape, jnp.float32)
-        for index, weight in _cic_reference(pos, shape)[0]:
+        for index, weight in _cic_corners(pos, shape):
             rho = rho.at[index[:, 0], index[:, 1], index[:, 2]].add(weight)
         return rho
 
     @jax.jit
     def plain_readout(field: jax.Array, pos: jax.Array) -> jax.Array:
         out = jnp.zeros(pos.shape[:1], field.dtype)
-        for index, weight in _cic_reference(pos, shape)[0]:
+        for index, weight in _cic_corners(pos, shape):
             out = out + field[index[:, 0], index[:, 1], index[:, 2]] * weight
         return out
 
