@@ -198,3 +198,64 @@ def test_context_mesh_inside_jit(explicit: bool):
     with jax.set_mesh(mesh):
         out = jax.jit(double)(jnp.arange(16.0, dtype=jnp.float32))
     np.testing.assert_array_equal(out, 2 * np.arange(16.0))
+
+
+def test_program_fingerprint_follows_code_and_captured_values():
+    """The program guard keys on what runs: code (not names or line numbers), captured values and defaults
+    (by value, no addresses), captured functions recursively, static arguments by type and value."""
+    import dataclasses
+
+    from shardax.runtime._fingerprint import function_items, value_item
+
+    def digest(f):
+        return function_items(f)[1]
+
+    def total(x):
+        return sx.comm.allreduce(x)
+
+    def total_again(x):  # the same code elsewhere: the same program
+        return sx.comm.allreduce(x)
+
+    assert digest(total) == digest(total_again)
+    assert digest(lambda x: sx.comm.allreduce(x)) != digest(lambda x: sx.comm.allreduce(x, op="max"))
+
+    def kernel(k, box, reduce=None, tuning=None):
+        def body(x):
+            return x * k + box, reduce, tuning
+        return body
+
+    base = function_items(kernel(8, 1.0))[0]
+    [changed] = [b for a, b in zip(base, function_items(kernel(9, 1.0))[0], strict=True) if a != b]
+    assert (changed.label, changed.description) == ("k", "9")
+    assert digest(kernel(8, 1.0)) != digest(kernel(8.0, 1.0)) != digest(kernel(True, 1.0))
+    assert digest(kernel(8, 1.0, reduce=lambda d: d)) != digest(kernel(8, 1.0, reduce=lambda d: -d))
+    labels = [i.label for i in function_items(kernel(8, 1.0, reduce=lambda d, s=2: d * s))[0]]
+    assert "reduce.s (default)" in labels
+
+    @dataclasses.dataclass(frozen=True)
+    class Tuning:
+        tile: int = 64
+
+    assert digest(kernel(8, 1.0, tuning=Tuning())) == digest(kernel(8, 1.0, tuning=Tuning()))
+    assert digest(kernel(8, 1.0, tuning=Tuning())) != digest(kernel(8, 1.0, tuning=Tuning(32)))
+    assert value_item("a", np.zeros(1000)).description == "ndarray float64(1000,)"
+    assert "0x" not in value_item("o", object()).description
+    with pytest.raises(TypeError, match="name must be a str"):
+        sx.smap(total, in_specs=P(sx.ALL), out_specs=P(), name=3)  # type: ignore[arg-type]
+
+
+def test_guard_messages_name_the_difference():
+    """What processes compare and how a difference reads (the two-process runs are in test_reliability.py)."""
+    from shardax.runtime._guard import _compared, _describe_difference
+
+    def payload(k, where="run.py:3", code="c1", shape="float32(4, 16)"):
+        return {"function": "knn.smap", "where": where, "sequence": 2, "call": None, "mesh": "{'d': 4}",
+                "items": [["code", code, "body at _knn.py:300"], ["k", f"d{k}", str(k)]],
+                "arguments": [["argument 'x' of body", shape]]}
+
+    assert _compared(payload(8)) == _compared(payload(8, where="other.py:9"))  # where it is called is not compared
+    assert _describe_difference(payload(8), payload(9), 0, 1) == \
+        "process 1 calls knn.smap with k=9, process 0 with k=8"
+    assert "their code differs" in _describe_difference(payload(8), payload(8, code="c2"), 0, 1)
+    assert "float32(4, 8), process 0 with float32(4, 16)" in \
+        _describe_difference(payload(8), payload(8, shape="float32(4, 8)"), 0, 1)
