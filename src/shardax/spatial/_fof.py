@@ -3,7 +3,9 @@
 One code path at every scale. On one device the particles are linked directly (``_fof_local``). On several, they are
 first sorted into global z-order (compact pieces of space per device), boundary particles are exchanged as ghosts and
 labels merged across devices (``_fof_halo``), and the labels travel back to the rows they came from. Groups are
-summarised into a :class:`Catalogue` by exact, order-independent sums (``_catalogue``).
+summarised into a :class:`Catalogue` by exact, order-independent sums (``_catalogue``). ``fof`` checks its input and
+takes the one-device path (:func:`_one_device`) or the distributed one (:func:`_several_devices`); both link their
+rows by :func:`_link`. Sizes and algorithm choices of the kernels come from a per-backend ``FofTuning``.
 """
 
 from __future__ import annotations

@@ -84,8 +84,9 @@ class Tuning(NamedTuple):
 
 
 DEFAULT_TUNING = Tuning()
-# One step holds a fifth of the problem's rows in candidates (1e6 uniform points at b = 0.2: ~3.4 candidates per
-# point, 17 steps of 0.2e6 -> 7 steps of 0.5e6) and all of its edges at once, within the device's step budget.
+# A step of the GPU preset holds half as many candidates as the problem has rows (1e6 uniform points at b = 0.2:
+# ~3.4 candidates per point, 7 steps) and as many edges (the components: one hooking step per pass), within the
+# device's step budget (``step_bytes``: 33M slots on an 80 GB device); a ghost step tests a whole cell of a piece.
 GPU_TUNING = Tuning(slots=1 << 24, edge_chunk=1 << 24, rank_rounds=0, step_rows=0.5, run_table=False,
                     ghost_chunk=1 << 14)
 PRESETS = {"cpu": DEFAULT_TUNING, "gpu": GPU_TUNING}
