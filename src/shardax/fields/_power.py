@@ -15,6 +15,7 @@ from jax.sharding import Mesh, PartitionSpec
 from .. import comm
 from .. import fft as sxfft
 from ..core import smap
+from ..runtime._backend import tuning_backend
 from ._grid import Grid, _box3, field_sharding
 
 
@@ -93,10 +94,8 @@ def local_power_spectrum(delta: jax.Array, *, box: Any, bins: int | Sequence[flo
     nbins = len(edges) - 1
     flat = index.reshape(-1)
     weight = weight.reshape(-1)
-    modes = jax.ops.segment_sum(weight, flat, nbins + 1)[:nbins]
     fweight = weight.astype(dtype)
-    psum = jax.ops.segment_sum(fweight * power.reshape(-1), flat, nbins + 1)[:nbins]
-    ksum = jax.ops.segment_sum(fweight * kmag.reshape(-1), flat, nbins + 1)[:nbins]
+    modes, psum, ksum = _bin_sums(flat, nbins, weight, fweight * power.reshape(-1), fweight * kmag.reshape(-1))
     modes, psum, ksum = comm.allreduce(modes), comm.allreduce(psum), comm.allreduce(ksum)
     volume = math.prod(grid.box)
     cells = math.prod(shape)
@@ -107,8 +106,27 @@ def local_power_spectrum(delta: jax.Array, *, box: Any, bins: int | Sequence[flo
     return k_mean, pk.astype(dtype), modes
 
 
+# Up to this many bins the GPU path sums every bin in one fused compare-and-sum pass over the modes.
+_COMPARE_BINS = 128
+
+
+def _bin_sums(index: jax.Array, nbins: int, *values: jax.Array) -> list[jax.Array]:
+    """Per-bin sums `(nbins,)` of each of ``values`` (`(m,)`) over the modes whose ``index`` is the bin (``nbins``:
+    none).
+
+    XLA:CPU adds the modes into their bins one after another (``segment_sum``). A GPU would serialise millions of
+    atomic adds onto a few dozen addresses, so there every bin compares itself with every mode in one fused pass
+    (up to :data:`_COMPARE_BINS` bins).
+    """
+    if tuning_backend() == "cpu" or nbins > _COMPARE_BINS:
+        return [jax.ops.segment_sum(v, index, nbins + 1)[:nbins] for v in values]
+    hit = index[:, None] == jnp.arange(nbins, dtype=index.dtype)[None, :]
+    return [jnp.sum(jnp.where(hit, v[:, None], jnp.zeros((), v.dtype)), axis=0, dtype=v.dtype) for v in values]
+
+
 @functools.lru_cache(maxsize=64)
-def _power_fn(mesh: Mesh, spec: PartitionSpec, box: Any, bins: Any, compensate: bool) -> Any:
+def _power_fn(mesh: Mesh, spec: PartitionSpec, box: Any, bins: Any, compensate: bool, backend: str) -> Any:
+    """The mapped kernel; ``backend`` (the tuning preset, read at trace time) keys the cache: one trace per preset."""
     def body(delta: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         return local_power_spectrum(delta, box=box, bins=bins, spec=spec, compensate=compensate)
     out = PartitionSpec()
@@ -148,4 +166,4 @@ def power_spectrum(field: jax.Array, *, box: Any, bins: int | Sequence[float], m
     the_mesh, the_spec = field_sharding(field, mesh, spec, "power_spectrum")
     box_key = box if isinstance(box, int | float) else tuple(box)
     bins_key = bins if isinstance(bins, int) else tuple(float(b) for b in bins)
-    return _power_fn(the_mesh, the_spec, box_key, bins_key, bool(compensate))(field)
+    return _power_fn(the_mesh, the_spec, box_key, bins_key, bool(compensate), tuning_backend())(field)
