@@ -20,6 +20,7 @@ from ..core import ALL, default_mesh, rank_info, smap
 from ..particles import Particles
 from ..particles._bounds import check_global, check_part
 from ..particles._particles import check_count, check_positions, row_count
+from ..runtime._backend import tuning_backend
 from ._grid import Grid, _box3, _shape3, cell_index, default_spec, field_sharding
 
 _CORNERS = tuple(itertools.product((0, 1), repeat=3))
@@ -271,7 +272,9 @@ def _particle_mesh(part: Any, mesh: Mesh | None) -> Mesh:
 
 
 @functools.lru_cache(maxsize=64)
-def _paint_fn(mesh: Mesh, shape: tuple[int, ...], box: Any, spec: PartitionSpec, capacity: int | None) -> Any:
+def _paint_fn(mesh: Mesh, shape: tuple[int, ...], box: Any, spec: PartitionSpec, capacity: int | None,
+              backend: str) -> Any:
+    """The mapped kernel; ``backend`` (the tuning preset, read at trace time) keys the cache: one trace per preset."""
     def body(rows: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
         local = _local_part(rows)
         field, needed = local_paint(local, shape, box=box, spec=spec, capacity=capacity)
@@ -313,7 +316,7 @@ def paint(part: Any, shape: Sequence[int], *, box: Any, mesh: Mesh | None = None
     shape3 = _shape3(shape)
     box_key = box if isinstance(box, int | float) else _box3(box)
     check_global(part, box, "paint", the_mesh)
-    field, needed, nonfinite = _paint_fn(the_mesh, shape3, box_key, the_spec, capacity)(_rows(part))
+    field, needed, nonfinite = _paint_fn(the_mesh, shape3, box_key, the_spec, capacity, tuning_backend())(_rows(part))
     if not isinstance(needed, Tracer):  # (under an outer jit nothing can be checked)
         needed, nonfinite = jax.device_get((needed, nonfinite))  # one transfer for both checks
         _raise_nonfinite("paint", int(nonfinite))
@@ -322,7 +325,8 @@ def paint(part: Any, shape: Sequence[int], *, box: Any, mesh: Mesh | None = None
 
 
 @functools.lru_cache(maxsize=64)
-def _readout_fn(mesh: Mesh, box: Any, spec: PartitionSpec, capacity: int | None) -> Any:
+def _readout_fn(mesh: Mesh, box: Any, spec: PartitionSpec, capacity: int | None, backend: str) -> Any:
+    """As :func:`_paint_fn`."""
     def body(field: jax.Array, rows: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
         local = _local_part(rows)
         values, needed = local_readout(field, local, box=box, spec=spec, capacity=capacity)
@@ -357,7 +361,7 @@ def readout(field: jax.Array, part: Any, *, box: Any, mesh: Mesh | None = None, 
     the_mesh, the_spec = field_sharding(field, mesh, spec, "readout")
     box_key = box if isinstance(box, int | float) else _box3(box)
     check_global(part, box, "readout")
-    values, needed, nonfinite = _readout_fn(the_mesh, box_key, the_spec, capacity)(field, _rows(part))
+    values, needed, nonfinite = _readout_fn(the_mesh, box_key, the_spec, capacity, tuning_backend())(field, _rows(part))
     if not isinstance(needed, Tracer):
         needed, nonfinite = jax.device_get((needed, nonfinite))
         _raise_nonfinite("readout", int(nonfinite))
