@@ -15,7 +15,8 @@ import shardax as sx
 from conftest import make_mesh
 from shardax.particles import Particles
 from shardax.spatial._fof import fof, fof_steps
-from shardax.spatial._fof_local import GPU_TUNING, PRESETS, Tuning, piece_space, resolve
+from shardax.spatial._fof_local import piece_space
+from shardax.spatial._fof_tuning import GPU_TUNING, PRESETS, Tuning, resolve
 from test_fof_multiprocess import (
     MIN_MEMBERS,
     compare_catalogues,

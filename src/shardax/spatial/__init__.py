@@ -7,7 +7,7 @@
 from ._catalogue import Catalogue as Catalogue
 from ._fof import FofResult as FofResult
 from ._fof import fof as fof
-from ._fof_local import Tuning as FofTuning
+from ._fof_tuning import Tuning as FofTuning
 from ._knn import KnnResult as KnnResult
 from ._knn import knn as knn
 from ._knn_tuning import KnnTuning as KnnTuning

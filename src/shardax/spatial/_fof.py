@@ -39,19 +39,8 @@ from ._fof_halo import (
     segment_min_labels,
     send_grouped,
 )
-from ._fof_local import (
-    LinkSpace,
-    Steps,
-    Tuning,
-    components,
-    find_links,
-    link_grid,
-    piece_space,
-    resolve,
-    sort_points,
-    step_sizes,
-    whole_space,
-)
+from ._fof_local import LinkSpace, components, find_links, link_grid, piece_space, sort_points, whole_space
+from ._fof_tuning import Steps, Tuning, resolve, step_sizes
 
 _CAPACITIES = ("edge_capacity", "halo_capacity", "max_groups", "sort_capacity")
 TuningName = Literal["cpu", "gpu"]
