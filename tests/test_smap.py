@@ -238,6 +238,9 @@ def test_program_fingerprint_follows_code_and_captured_values():
 
     assert digest(kernel(8, 1.0, tuning=Tuning())) == digest(kernel(8, 1.0, tuning=Tuning()))
     assert digest(kernel(8, 1.0, tuning=Tuning())) != digest(kernel(8, 1.0, tuning=Tuning(32)))
+    world = sx.world()  # the same program on every process, whatever its process_id
+    assert value_item("w", world) == dataclasses.replace(value_item("w", dataclasses.replace(world, process_id=7)),
+                                                         description=value_item("w", world).description)
     assert value_item("a", np.zeros(1000)).description == "ndarray float64(1000,)"
     assert "0x" not in value_item("o", object()).description
     with pytest.raises(TypeError, match="name must be a str"):

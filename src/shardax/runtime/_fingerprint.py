@@ -11,7 +11,8 @@ dicts and sets element by element; NumPy scalars and small NumPy arrays (up to :
 value, larger arrays and JAX arrays by shape and dtype (the guard cannot see data values); functions by their code
 (bytecode, constants, names, nested code objects), the values their closure holds and their defaults, recursively;
 ``functools.partial``, bound methods and wrappers (``__wrapped__``, e.g. ``jax.jit``) through what they wrap;
-dataclasses (frozen ``Tuning`` objects included) field by field; anything else by its ``repr`` with memory addresses
+dataclasses (frozen ``Tuning`` objects included) field by field (the :class:`~shardax.runtime.World` without its
+``process_id``); anything else by its ``repr`` with memory addresses
 removed. The globals a function reads are not followed (only their names are part of its code).
 
 :func:`function_items` caches per function object, revalidated by the identity of the closure's contents and of the
@@ -32,10 +33,15 @@ from typing import Any
 
 import numpy as np
 
+from ._world import World
+
 SMALL_ARRAY = 64  # NumPy arrays up to this many elements are fingerprinted by value
 _DEPTH = 12  # nesting followed, at most (deeper structure counts by its type only)
 _DESCRIPTION = 160  # characters of a value's description in messages
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+# Fields that differ between the processes of one run by design, not between programs: a function that captures
+# the World is the same program on every process.
+_PER_PROCESS: dict[type, tuple[str, ...]] = {World: ("process_id",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +166,10 @@ class _Hasher:
             self.tag("named", describe(value))
         elif dataclasses.is_dataclass(value):
             self.tag("dataclass", type(value).__module__, type(value).__qualname__)
+            skip = _PER_PROCESS.get(type(value), ())
             for field in dataclasses.fields(value):
+                if field.name in skip:
+                    continue
                 self.tag(field.name)
                 self.value(getattr(value, field.name, None), depth)
         elif callable(value) and hasattr(value, "__wrapped__"):  # functools.wraps, jax.jit, ...
