@@ -109,6 +109,7 @@ def test_empty_sets_give_empty_results(shape: tuple[int, ...]) -> None:
     assert int(zpart.num.sum()) == 0 and not np.any(np.asarray(overflow))
     rho = sx.fields.paint(part, (8, 8, 8), box=1.0, mesh=mesh)
     assert float(np.abs(np.asarray(rho)).sum()) == 0.0
+    assert not np.asarray(sx.fields.readout(rho, part, box=1.0)).any()
     with pytest.raises(ValueError, match=r"k=1 is larger than the number of particles \(0\)"):
         sx.spatial.knn.smap(mesh)(part, 1, box=1.0)
     assert squeeze(part)["pos"].shape == (0, 3)
