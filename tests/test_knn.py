@@ -304,11 +304,16 @@ def test_two_processes() -> None:
 
 def test_periodic_wrap_of_extreme_coordinates() -> None:
     """Coordinates near the float32 maximum in a box below 1: the wrap ``x - box * floor(x / box)`` overflowed to
-    -inf (``x / box`` is inf), so these points had no finite neighbour. They wrap exactly, like np.mod."""
+    -inf (``x / box`` is inf), so these points had no finite neighbour. They wrap exactly, like np.mod.
+
+    Eagerly such positions are refused (they do not fit the box); inside a user's jit nothing can check them, and
+    the kernel wraps them."""
     big = np.finfo(np.float32).max
     pos = np.random.default_rng(0).choice([-big, -1.0, 0.0, 1.0, big], (16, 3)).astype(np.float32)
     box = np.array([1.0, 2.0, 0.5])
-    res = knn(jnp.asarray(pos), 4, box=tuple(box))
+    with pytest.raises(ValueError, match="do not fit the periodic box"):
+        knn(jnp.asarray(pos), 4, box=tuple(box))
+    res = jax.jit(lambda p: knn(p, 4, box=tuple(box)))(jnp.asarray(pos))
     wrapped = np.mod(pos.astype(np.float64), box)
     delta = np.abs(wrapped[:, None] - wrapped[None])
     want = np.sort(np.sqrt((np.minimum(delta, box - delta) ** 2).sum(-1)), axis=1)[:, :4]
