@@ -4,6 +4,7 @@
 one-rank world.
 """
 
+from ._alltoallv import ExchangeTuning as ExchangeTuning
 from ._alltoallv import alltoallv as alltoallv
 from ._alltoallv import chunk_ladder as chunk_ladder
 from ._alltoallv import exchange as exchange
@@ -20,5 +21,5 @@ from ._collectives import sendrecv as sendrecv
 from ._collectives import shift as shift
 from ._halo import halo_exchange as halo_exchange
 
-__all__ = ["allgather", "allreduce", "alltoall", "alltoallv", "barrier", "bcast", "chunk_ladder", "exchange", "gather",
+__all__ = ["ExchangeTuning", "allgather", "allreduce", "alltoall", "alltoallv", "barrier", "bcast", "chunk_ladder", "exchange", "gather",
            "halo_exchange", "reduce", "scan", "scatter", "sendrecv", "shift"]

@@ -92,7 +92,8 @@ class ExchangeTuning:
 
     Example:
         >>> import shardax as sx
-        >>> from shardax.comm._alltoallv import ExchangeTuning, default_chunk
+        >>> from shardax.comm import ExchangeTuning
+        >>> from shardax.comm._alltoallv import default_chunk
         >>> default_chunk(8000, 8, "cpu"), default_chunk(8000, 8, "gpu"), default_chunk(8000, 8, ExchangeTuning(2))
         (157, 1250, 625)
     """
