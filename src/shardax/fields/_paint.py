@@ -18,7 +18,7 @@ from .._errors import CapacityError
 from ..comm._alltoallv import count_by_rank
 from ..core import ALL, default_mesh, rank_info, smap
 from ..particles import Particles
-from ..particles._bounds import check_global, check_part
+from ..particles._bounds import check_bounds, check_part, mapped_bounds
 from ..particles._particles import check_count, check_positions, row_count
 from ..runtime._backend import tuning_backend
 from ._grid import Grid, _box3, _shape3, cell_index, default_spec, field_sharding
@@ -271,16 +271,31 @@ def _particle_mesh(part: Any, mesh: Mesh | None) -> Mesh:
     return default_mesh(mesh)
 
 
+def _checks(local: Particles, needed: jax.Array) -> tuple[jax.Array, ...]:
+    """The kernel's replicated error flags: particles a device had to receive, non-finite rows, the positions'
+    span (:func:`_raise_errors` reads them after the call)."""
+    return (needed, _nonfinite(local), *mapped_bounds(local.pos, local.num))
+
+
+def _raise_errors(name: str, checks: tuple[jax.Array, ...], box: Any, capacity: int) -> None:
+    """The errors of a call of ``name`` from its :func:`_checks` (one transfer); the box first, as a box that does
+    not fit the data makes the other counts meaningless."""
+    needed, nonfinite, lower, upper = jax.device_get(checks)
+    check_bounds(lower, upper, box, name)
+    _raise_nonfinite(name, int(nonfinite))
+    _raise_capacity(name, int(needed), capacity)
+
+
 @functools.lru_cache(maxsize=64)
 def _paint_fn(mesh: Mesh, shape: tuple[int, ...], box: Any, spec: PartitionSpec, capacity: int | None,
               backend: str) -> Any:
     """The mapped kernel; ``backend`` (the tuning preset, read at trace time) keys the cache: one trace per preset."""
-    def body(rows: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def body(rows: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         local = _local_part(rows)
         field, needed = local_paint(local, shape, box=box, spec=spec, capacity=capacity)
-        return field, needed, _nonfinite(local)
-    return smap(body, in_specs=(PartitionSpec(ALL),), out_specs=(spec, PartitionSpec(), PartitionSpec()), mesh=mesh,
-                expand=False, jit=True)
+        return field, _checks(local, needed)
+    return smap(body, in_specs=(PartitionSpec(ALL),), out_specs=(spec, PartitionSpec()), mesh=mesh, expand=False,
+                jit=True)
 
 
 def paint(part: Any, shape: Sequence[int], *, box: Any, mesh: Mesh | None = None, spec: Any = None,
@@ -315,24 +330,21 @@ def paint(part: Any, shape: Sequence[int], *, box: Any, mesh: Mesh | None = None
     the_spec = default_spec(the_mesh) if spec is None else spec
     shape3 = _shape3(shape)
     box_key = box if isinstance(box, int | float) else _box3(box)
-    check_global(part, box, "paint", the_mesh)
-    field, needed, nonfinite = _paint_fn(the_mesh, shape3, box_key, the_spec, capacity, tuning_backend())(_rows(part))
-    if not isinstance(needed, Tracer):  # (under an outer jit nothing can be checked)
-        needed, nonfinite = jax.device_get((needed, nonfinite))  # one transfer for both checks
-        _raise_nonfinite("paint", int(nonfinite))
-        _raise_capacity("paint", int(needed), capacity or part.pos.shape[1])
+    field, checks = _paint_fn(the_mesh, shape3, box_key, the_spec, capacity, tuning_backend())(_rows(part))
+    if not isinstance(checks[0], Tracer):  # (under an outer jit nothing can be checked)
+        _raise_errors("paint", checks, box, capacity or part.pos.shape[1])
     return field
 
 
 @functools.lru_cache(maxsize=64)
 def _readout_fn(mesh: Mesh, box: Any, spec: PartitionSpec, capacity: int | None, backend: str) -> Any:
     """As :func:`_paint_fn`."""
-    def body(field: jax.Array, rows: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def body(field: jax.Array, rows: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         local = _local_part(rows)
         values, needed = local_readout(field, local, box=box, spec=spec, capacity=capacity)
-        return values[None], needed, _nonfinite(local)
-    return smap(body, in_specs=(spec, PartitionSpec(ALL)),
-                out_specs=(PartitionSpec(ALL), PartitionSpec(), PartitionSpec()), mesh=mesh, expand=False, jit=True)
+        return values[None], _checks(local, needed)
+    return smap(body, in_specs=(spec, PartitionSpec(ALL)), out_specs=(PartitionSpec(ALL), PartitionSpec()), mesh=mesh,
+                expand=False, jit=True)
 
 
 def readout(field: jax.Array, part: Any, *, box: Any, mesh: Mesh | None = None, spec: Any = None,
@@ -360,10 +372,7 @@ def readout(field: jax.Array, part: Any, *, box: Any, mesh: Mesh | None = None, 
     _check_global(part, "readout")
     the_mesh, the_spec = field_sharding(field, mesh, spec, "readout")
     box_key = box if isinstance(box, int | float) else _box3(box)
-    check_global(part, box, "readout")
-    values, needed, nonfinite = _readout_fn(the_mesh, box_key, the_spec, capacity, tuning_backend())(field, _rows(part))
-    if not isinstance(needed, Tracer):
-        needed, nonfinite = jax.device_get((needed, nonfinite))
-        _raise_nonfinite("readout", int(nonfinite))
-        _raise_capacity("readout", int(needed), capacity or part.pos.shape[1])
+    values, checks = _readout_fn(the_mesh, box_key, the_spec, capacity, tuning_backend())(field, _rows(part))
+    if not isinstance(checks[0], Tracer):
+        _raise_errors("readout", checks, box, capacity or part.pos.shape[1])
     return values

@@ -5,9 +5,12 @@ A kernel given a periodic ``box`` wraps positions into ``[0, box)``. Particles t
 (a catalogue in a 420 box passed ``box=210``), and wrapping them gives wrong answers without a word. So positions
 must lie within :data:`BOX_TOLERANCE` box lengths of ``[0, box)`` on every axis: ``-box / 4 <= x < 5 box / 4``.
 
-Checked on concrete arrays only: in the local view eagerly, in the global view by one small distributed reduction
-before the kernel runs (:func:`check_global`). Inside a user's ``jax.jit`` the positions are traced and nothing can
-be checked: positions outside the box are then wrapped as before.
+Checked on concrete arrays only: in the local view eagerly; in the global view the kernel's own program returns the
+positions' span (:func:`mapped_bounds`, two tiny all-reduced outputs) and the wrapper checks it on the host after the
+call, before its other error checks, so a box that does not fit the data is reported as that and not as an overflow
+(:func:`check_global` is the same check as a separate small program, for callers without a kernel of their own).
+Inside a user's ``jax.jit`` the positions are traced and nothing can be checked: positions outside the box are then
+wrapped as before.
 """
 
 from __future__ import annotations
@@ -92,6 +95,15 @@ def check_part(part: Any, box: Any, where: str) -> None:
     if isinstance(num, Tracer):
         return
     check_local(pos, jnp.arange(jnp.shape(pos)[0]) < jnp.asarray(num), box, where)
+
+
+def mapped_bounds(pos: jax.Array, num: Any) -> tuple[jax.Array, jax.Array]:
+    """Inside a mapped kernel: the per-axis min and max of the valid finite rows of ``pos (n, d)`` (``num`` valid
+    rows) over every device (``inf``/``-inf`` without rows), for :func:`check_bounds` on the host after the call.
+    One collective (across processes each costs milliseconds)."""
+    _, lower, upper = _reduce(pos, _valid_rows(pos, num))
+    both = allreduce(jnp.concatenate([lower, -upper]), "min")
+    return both[:pos.shape[-1]], -both[pos.shape[-1]:]
 
 
 @functools.lru_cache(maxsize=32)
