@@ -42,7 +42,7 @@ from ..comm._alltoallv import (
 )
 from ..core import ALL, rank_info, smap
 from ..core._rank import resolve_axes
-from ._bounds import check_global, check_part
+from ._bounds import check_bounds, check_part, mapped_bounds
 from ._domain import Domain, domain_of
 from ._morton import Box, KeyBox, key_box, morton_key, periodic_box, wrap
 from ._particles import check_count, check_positions, map_rows, replace_field, with_num
@@ -531,8 +531,8 @@ def _global_zsort(mesh: Mesh | None = None, *, jit: bool = True, donate: bool = 
     ``donate=True`` (needs ``jit=True``) hands the input particles' buffers to the sort: the sorted fields are
     written into them when ``capacity`` is the input's (the default); the compiled peak memory per device drops a
     little (2.82x -> 2.80x the particle buffers on 8 devices, see docs/particles.md). The input cannot be used
-    afterwards, even when the call raises ``CapacityError``: keep what you need to retry (e.g. the host arrays you
-    built it from).
+    afterwards, even when the call raises (``CapacityError``, a box that does not fit the positions): keep what you
+    need to retry (e.g. the host arrays you built it from).
     """
     if not isinstance(donate, bool) or not isinstance(jit, bool):
         raise TypeError(f"zsort.smap: jit and donate must be bool, got jit={jit!r}, donate={donate!r}")
@@ -557,7 +557,6 @@ def _constructed(mesh: Mesh | None, jit: bool, donate: bool) -> Callable[..., An
         dtype = jnp.result_type(part.pos)
         if box is not None and not isinstance(box, Tracer) and dtype in (jnp.float32, jnp.float64):
             periodic_box(box, int(jnp.shape(part.pos)[-1]), dtype)  # clear errors before anything is traced
-            check_global(part, box, "zsort.smap", mesh)
         static_box = box is None or isinstance(box, int | float | tuple)
         leaves, treedef = jax.tree.flatten(part)
         key = (treedef, static_box, box if static_box else None, equalize, capacity, return_domain, num_cells)
@@ -569,6 +568,8 @@ def _constructed(mesh: Mesh | None, jit: bool, donate: bool) -> Callable[..., An
                 # Every device knows the largest need: no collective for the flags.
                 cap = capacity if capacity is not None else jnp.shape(local.pos)[0]
                 flags = (result.worst > cap, result.worst, result.nonfinite)
+                if box is not None and jnp.issubdtype(local.pos.dtype, jnp.floating):  # checked after the call
+                    flags += mapped_bounds(local.pos, local.num)
                 dom = domain_of(result.part, result.key_box, num_cells) if return_domain else None
                 return result.part, result.overflow, flags, dom
 
@@ -576,9 +577,11 @@ def _constructed(mesh: Mesh | None, jit: bool, donate: bool) -> Callable[..., An
                       out_specs=(ALL, ALL, P(), P()), mesh=mesh, jit=jit, donate_argnums=(0,) if donate else (),
                       name="zsort.smap")
             cache[key] = fn
-        out_part, overflow, (any_overflow, needed, nonfinite), dom = fn(leaves, None if static_box else box)
-        if not isinstance(any_overflow, Tracer):
-            any_overflow, needed, nonfinite = jax.device_get((any_overflow, needed, nonfinite))  # one transfer
+        out_part, overflow, flags, dom = fn(leaves, None if static_box else box)
+        if not isinstance(flags[0], Tracer):
+            any_overflow, needed, nonfinite, *span = jax.device_get(flags)  # one transfer
+            if span:
+                check_bounds(span[0], span[1], box, "zsort.smap")
             if int(nonfinite):
                 raise ValueError(f"zsort: {int(nonfinite)} particle(s) have a NaN or infinite coordinate in part.pos; "
                                  "remove them or replace the positions before sorting")
