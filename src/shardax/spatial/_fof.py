@@ -25,7 +25,7 @@ from .._errors import CapacityError
 from ..comm import allgather
 from ..comm._alltoallv import share_chunk
 from ..core import ALL, rank_info, smap
-from ..particles._bounds import check_global, check_local
+from ..particles._bounds import check_bounds, check_local, mapped_bounds
 from ..particles._morton import given_box_values
 from ..particles._particles import check_count, check_positions, pad_global
 from ..particles._zsort import bucket_sort
@@ -414,7 +414,7 @@ def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., 
         key = (treedef, *options, *sizes)
         fn = cache.get(key)
         if fn is None:
-            def body(leaves: list[jax.Array]) -> tuple[FofResult, tuple[jax.Array, jax.Array, jax.Array]]:
+            def body(leaves: list[jax.Array]) -> tuple[FofResult, tuple[jax.Array, ...]]:
                 local = jax.tree.unflatten(treedef, leaves)
                 n = local.pos.shape[0]
                 valid = jnp.arange(n) < local.num
@@ -425,7 +425,8 @@ def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., 
                 # One all-gather for the three flags (across processes each collective costs milliseconds).
                 every = allgather(jnp.concatenate([res.overflow.astype(jnp.int32)[None], res.needed, bad[None]]))
                 worst = jnp.max(every[:, :-1], axis=0)
-                return res, (worst[0], worst[1:], jnp.sum(every[:, -1]))
+                span = mapped_bounds(local.pos, local.num) if static_box is not None else ()  # checked after the call
+                return res, (worst[0], worst[1:], jnp.sum(every[:, -1]), *span)
 
             fn = smap(body, in_specs=(ALL,), out_specs=(ALL, P()), mesh=mesh, jit=jit, name="fof.smap")
             cache[key] = fn
@@ -444,7 +445,6 @@ def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., 
             raise TypeError(f"fof.smap: linking_length must be a Python number, got {type(linking_length).__name__}")
         if jnp.issubdtype(jnp.result_type(part.pos), jnp.floating):
             _box_vector(box, int(jnp.shape(part.pos)[-1]), jnp.result_type(part.pos))
-            check_global(part, box, "fof.smap", mesh)
         for name, value in (("max_groups", max_groups), ("edge_capacity", edge_capacity),
                             ("halo_capacity", halo_capacity), ("sort_capacity", sort_capacity)):
             _positive_int(value, name, allow_none=True)
@@ -463,9 +463,12 @@ def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., 
             hc = halo_capacity or auto.get("halo_capacity") or max(n // _AUTO_HALO_FRACTION, 1024)
             sizes = (max_groups or auto.get("max_groups"), edge_capacity or auto.get("edge_capacity"), hc,
                      sort_capacity or auto.get("sort_capacity"))
-            res, (any_overflow, needed, bad) = compiled(treedef, options, sizes)(leaves)
-            if isinstance(any_overflow, Tracer):
+            res, checks = compiled(treedef, options, sizes)(leaves)
+            if isinstance(checks[0], Tracer):
                 return res
+            any_overflow, needed, bad, *span = jax.device_get(checks)  # one transfer
+            if span:  # before the other checks: counts of data in another box mean nothing
+                check_bounds(span[0], span[1], box, "fof.smap")
             if int(bad):
                 raise ValueError(f"fof: {int(bad)} particle(s) have NaN or infinite coordinates in part.pos; "
                                  "remove or fix them")
