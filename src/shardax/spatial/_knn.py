@@ -17,7 +17,7 @@ from .._errors import CapacityError
 from ..comm import allgather, allreduce, scan
 from ..core import ALL, rank_info, smap
 from ..particles import Particles
-from ..particles._bounds import check_global, check_local
+from ..particles._bounds import check_bounds, check_local, mapped_bounds
 from ..particles._morton import given_box_values
 from ..particles._particles import check_count
 from ._knn_dist import Flags, default_ghost_capacity, distributed_knn
@@ -119,14 +119,16 @@ def _check_extent(extent: Any, dtype: Any, dim: int, name: str) -> None:
                          "(e.g. to box units) or use float64")
 
 
-def _check_k(k: Any, n: int, valid: jax.Array) -> None:
+def _check_k(k: Any, n: int, count: int | None) -> None:
+    """``k`` against the ``n`` rows of ``part`` and, when known (``None`` when traced), its ``count`` of valid
+    rows; only outside a mesh (inside one, the rows of this device are not all the particles)."""
     if isinstance(k, bool) or not isinstance(k, int | np.integer):
         raise TypeError(f"knn: k must be a Python int, got {type(k).__name__}")
     if k < 1:
         raise ValueError(f"knn: k must be >= 1, got {k}")
     if rank_info().size == 1:
-        if not isinstance(valid, Tracer) and k > int(jnp.sum(valid)):
-            raise ValueError(f"knn: k={k} is larger than the number of particles ({int(jnp.sum(valid))}); lower k")
+        if count is not None and k > count:
+            raise ValueError(f"knn: k={k} is larger than the number of particles ({count}); lower k")
         if k > n:
             raise ValueError(f"knn: k={k} is larger than the {n} rows of part (padding included), hence than its "
                              "number of particles; lower k")
@@ -218,7 +220,7 @@ def _knn(part: Any, k: int, *, box: Box, query: Any, reduce: Reduce | None, ghos
     """:func:`knn` plus this device's buffer :class:`Flags` and, with ``zorder``, the z-sorted particles."""
     pos, valid = _positions(part, "part")
     n, dim = pos.shape
-    _check_k(k, n, valid)
+    _check_k(k, n, None if isinstance(valid, Tracer) or rank_info().size > 1 else int(jnp.sum(valid)))
     _check_finite(pos, valid, "part")
     if box is None and not isinstance(pos, Tracer) and not isinstance(valid, Tracer) and rank_info().size == 1:
         _check_extent(_extent(pos, valid), pos.dtype, dim, "part")
@@ -314,13 +316,12 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
         rows = int(np.prod(jnp.shape(part.pos)[:2]))
         num = part.num
         if isinstance(num, Tracer) or (isinstance(num, jax.Array) and not num.is_fully_addressable):
-            filled = jnp.ones((rows,), bool)  # only the rows are known here
+            count = rows  # only the rows are known here
         else:
-            filled = (jnp.arange(jnp.shape(part.pos)[1])[None, :] < jnp.asarray(num)[:, None]).reshape(-1)
-        _check_k(k, rows, filled)  # before compiling a search for an impossible k
+            count = int(np.sum(np.asarray(num)))  # (check_count: every count lies in [0, rows per device])
+        _check_k(k, rows, count)  # before compiling a search for an impossible k
         if box is not None and jnp.issubdtype(jnp.result_type(part.pos), jnp.floating):
             _box_vector(box, int(jnp.shape(part.pos)[-1]), jnp.result_type(part.pos))
-            check_global(part, box, "knn.smap", mesh)
         static_box = _static_box(box)
         # Pytrees travel as flat leaf lists: smap's spec broadcasting would give an absent (None) field a spec.
         part_leaves, part_def = jax.tree.flatten(part)
@@ -347,13 +348,17 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
                 result, flags, zpart = _knn(part, k, box=static_box, query=query, reduce=reduce,
                                             ghost_capacity=ghost_capacity, zorder=zorder, tuning=resolved)
                 checks = tuple(allreduce(jnp.asarray(f, jnp.int32), "max") for f in flags)
-                return result, zpart, (*checks, total, nonfinite, extent)
+                span = mapped_bounds(pos, part.num) if static_box is not None else ()  # checked after the call
+                return result, zpart, (*checks, total, nonfinite, extent, *span)
 
             fn = smap(body, in_specs=(ALL, ALL), out_specs=(ALL, ALL, P()), mesh=mesh, jit=jit, name="knn.smap")
             cache[key] = fn
         result, zpart, checks = fn(part_leaves, query_leaves)
-        ghost_overflow, ghost_needed, sort_overflow, sort_needed, total, nonfinite, extent = checks
-        if not isinstance(total, Tracer):
+        if not isinstance(checks[0], Tracer):
+            ghost_overflow, ghost_needed, sort_overflow, sort_needed, total, nonfinite, extent, *span = (
+                jax.device_get(checks))  # one transfer
+            if span:
+                check_bounds(span[0], span[1], box, "knn.smap")
             if int(nonfinite):
                 raise ValueError(f"knn: part has {int(nonfinite)} row(s) with NaN or infinite coordinates; remove or "
                                  "fix them")
