@@ -1,7 +1,8 @@
 """Benchmark: the cost of every kernel's global wrapper on one device, against ``jax.jit`` of its local view.
 
-On a mesh of one device a global function (``paint``, ``readout``, ``power_spectrum``, ``zsort.smap``, ``fftn``,
-``potrs``) should do no more than its local view: no exchange, no count of destinations, no extra passes. Both run
+On a mesh of one device a global function (``paint``, ``readout``, ``power_spectrum``, ``zsort.smap``,
+``knn.smap`` (k = 9), ``fof.smap`` (b = 0.2 mean spacings), ``fftn``, ``potrs``; all with a periodic box 1) should
+do no more than its local view: no exchange, no count of destinations, no extra passes. Both run
 in the same process on the same device, timed round-robin (``--repeat`` calls after a warm-up, each call's result
 waited for); the table gives the fastest call of each and their ratio (target: at most 1.1), and the ratio of the
 medians.
@@ -21,7 +22,7 @@ from typing import Any
 
 def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--particles", type=int, default=1_000_000, help="particles of paint/readout/zsort")
+    parser.add_argument("--particles", type=int, default=1_000_000, help="particles of paint/readout/zsort/knn/fof")
     parser.add_argument("--grid", type=int, default=64, help="grid points per axis of paint/readout/power/fftn")
     parser.add_argument("--linalg", type=int, default=1024, help="matrix order of potrs (float32)")
     parser.add_argument("--repeat", type=int, default=7, help="timed calls of each (default 7)")
@@ -91,12 +92,18 @@ def _cases(args: argparse.Namespace) -> dict[str, tuple[Callable[[], Any], Calla
     local_fft = jax.jit(sx.fft.local_fftn)
     local_solve = jax.jit(lambda a, b: solve_local(a, b, layout, False))
     global_zsort = sx.particles.zsort.smap(mesh)
+    linking_length = 0.2 / n ** (1 / 3)  # b = 0.2 mean spacings
+    local_knn = jax.jit(lambda p: sx.spatial.knn(p, 9, box=1.0))
+    local_fof = jax.jit(lambda p: sx.spatial.fof(p, linking_length, box=1.0))
+    global_knn, global_fof = sx.spatial.knn.smap(mesh), sx.spatial.fof.smap(mesh)
     cases = {
         "paint": (lambda: sx.fields.paint(part, shape, box=1.0), lambda: local_paint(local)),
         "readout": (lambda: sx.fields.readout(rho, part, box=1.0), lambda: local_readout(rho_local, local)),
         "power_spectrum": (lambda: sx.fields.power_spectrum(delta, box=1.0, bins=16),
                            lambda: local_power(delta_local)),
         "zsort.smap": (lambda: global_zsort(part), lambda: local_zsort(local)),
+        "knn.smap": (lambda: global_knn(part, 9, box=1.0), lambda: local_knn(local)),
+        "fof.smap": (lambda: global_fof(part, linking_length, box=1.0), lambda: local_fof(local)),
         "fftn": (lambda: sx.fft.fftn(field), lambda: local_fft(field_local)),
         "potrs": (lambda: sx.linalg.potrs(a, b), lambda: local_solve(a_cyclic, b_local)),
     }
