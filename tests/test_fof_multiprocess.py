@@ -154,7 +154,37 @@ def _distributed_body(out_dir: str) -> dict:
             files = sx.io.write(ranked, res.catalogue, per_rank=True)
             results["io"] = {"shared": sx.io.read(shared, like=res.catalogue),
                              "ranked": sx.io.read(ranked), "files": files}
+    results["refused"] = _refused_inputs()
     return results
+
+
+def _refused_inputs() -> dict:
+    """Inputs the kernels answer with an error or an empty result, at this scale: data made in a box twice the one
+    passed (every process raises the same ValueError), and no particles at all on any process."""
+    me, nproc = sx.world().process_id, sx.world().num_processes
+    data = mixed_periodic()
+    rows = np.array_split(np.arange(len(data["pos"])), nproc)[me]
+    wide = sx.particles.from_numpy(2.0 * data["pos"][rows])
+    out = {}
+    try:
+        fof.smap()(wide, data["linking_length"], box=data["box"], min_members=MIN_MEMBERS)
+        out["box"] = "no error"
+    except ValueError as err:
+        out["box"] = str(err)
+    empty = sx.particles.from_numpy(np.zeros((0, 3), np.float32))
+    res = fof.smap()(empty, 0.1, box=1.0, min_members=1)
+    out["empty_labels"] = _host(res.labels)
+    out["empty_groups"] = int(_host(res.catalogue.num).sum())
+    zpart, _ = sx.particles.zsort.smap()(empty, box=1.0)
+    out["empty_zsort"] = int(_host(zpart.num).sum())
+    rho = sx.fields.paint(empty, (8, 8, 8), box=1.0)
+    out["empty_field"] = float(np.abs(_host(rho)).sum())
+    try:
+        sx.spatial.knn.smap()(empty, 1, box=1.0)
+        out["empty_knn"] = "no error"
+    except ValueError as err:
+        out["empty_knn"] = str(err)
+    return out
 
 
 @pytest.mark.multiprocess
@@ -167,6 +197,12 @@ def test_fof_two_processes(tmp_path) -> None:
             np.testing.assert_array_equal(res[name]["labels"], want)
             compare_catalogues(res[name]["catalogue"], cat)
         assert len(np.unique(want[want >= 0])) > 3, name
+    for res in results:
+        refused = res["refused"]
+        assert "do not fit the periodic box 1.0" in refused["box"], refused["box"]
+        assert np.all(refused["empty_labels"] == -1) and refused["empty_groups"] == 0
+        assert refused["empty_zsort"] == 0 and refused["empty_field"] == 0.0
+        assert "k=1 is larger than the number of particles (0)" in refused["empty_knn"], refused["empty_knn"]
     # The ghost buffer grew past where it starts, identically on both processes.
     assert results[0]["grow"]["halo_needed"] == results[1]["grow"]["halo_needed"] > 1024
     # Catalogue files: the shared file and the per-rank files hold the same global arrays.
