@@ -10,6 +10,7 @@ on CPU only; on a GPU it must be ``lax.sort``. Every global function is lowered 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -24,18 +25,37 @@ import shardax as sx
 from shardax._hostsort import HOST_MIN
 
 _CUSTOM_CALL = re.compile(r"custom_call @([\w.]+)")
+_COLLECTIVE = re.compile(r"stablehlo\.(all_to_all|collective_permute|all_gather|all_reduce|reduce_scatter)")
 
 
 def _custom_calls(lowered: Any) -> set[str]:
     return set(_CUSTOM_CALL.findall(lowered.as_text()))
 
 
-def _cuda_calls(fn: Callable[..., Any], *args: Any) -> set[str]:
-    """The custom calls of ``fn``'s program lowered for CUDA; fails if it has a host callback."""
-    calls = _custom_calls(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)))
+def _cuda_program(fn: Callable[..., Any], *args: Any) -> tuple[set[str], Counter[str]]:
+    """The custom calls and the collectives (by kind) of ``fn``'s program lowered for CUDA; fails if it has a host
+    callback."""
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = set(_CUSTOM_CALL.findall(text))
     callbacks = sorted(c for c in calls if "callback" in c)
     assert not callbacks, f"host callbacks in the CUDA lowering: {callbacks}"
-    return calls
+    return calls, Counter(_COLLECTIVE.findall(text))
+
+
+def _cuda_calls(fn: Callable[..., Any], *args: Any) -> set[str]:
+    return _cuda_program(fn, *args)[0]
+
+
+def _collectives(fn: Callable[..., Any], *args: Any) -> Counter[str]:
+    return _cuda_program(fn, *args)[1]
+
+
+def _exchanges_only_on_a_mesh(mesh: Mesh, collectives: Counter[str], name: str) -> None:
+    """On one device a kernel's program has no collective at all; on several its particles travel (all_to_all)."""
+    if mesh.size == 1:
+        assert not collectives, f"{name} on one device runs collectives: {dict(collectives)}"
+    else:
+        assert collectives["all_to_all"] > 0, f"{name} on {mesh.size} devices moves no rows: {dict(collectives)}"
 
 
 @pytest.fixture(autouse=True)
@@ -63,26 +83,35 @@ def test_the_check_sees_the_host_sort() -> None:
 
 def test_particle_kernels(mesh: Mesh) -> None:
     part = _particles(mesh)
-    _cuda_calls(lambda p: sx.particles.zsort.smap(mesh)(p, box=1.0), part)
-    _cuda_calls(lambda p: sx.spatial.knn.smap(mesh)(p, 4, box=1.0, tuning="gpu"), part)
-    _cuda_calls(lambda p: sx.spatial.fof.smap(mesh)(p, 0.05, box=1.0, min_members=2, tuning="gpu"), part)
-    _cuda_calls(lambda: sx.particles.uniform.smap(mesh)(64 * mesh.size))
+    kernels = {"zsort.smap": lambda p: sx.particles.zsort.smap(mesh)(p, box=1.0),
+               "knn.smap": lambda p: sx.spatial.knn.smap(mesh)(p, 4, box=1.0, tuning="gpu"),
+               "fof.smap": lambda p: sx.spatial.fof.smap(mesh)(p, 0.05, box=1.0, min_members=2, tuning="gpu")}
+    for name, fn in kernels.items():
+        _exchanges_only_on_a_mesh(mesh, _collectives(fn, part), name)
+    assert not _collectives(lambda: sx.particles.uniform.smap(mesh)(64 * mesh.size))  # each device draws its own
 
 
 def test_fields(mesh: Mesh) -> None:
     part = _particles(mesh)
     shape = (8, 8, 8)
     field = jax.device_put(jnp.zeros(shape, jnp.float32), NamedSharding(mesh, P("d")))
-    _cuda_calls(lambda p: sx.fields.paint(p, shape, box=1.0, mesh=mesh), part)
-    _cuda_calls(lambda f, p: sx.fields.readout(f, p, box=1.0, mesh=mesh, spec=P("d")), field, part)
-    _cuda_calls(lambda f: sx.fields.power_spectrum(f, box=1.0, bins=4, mesh=mesh, spec=P("d")), field)
+    paint = _collectives(lambda p: sx.fields.paint(p, shape, box=1.0, mesh=mesh), part)
+    readout = _collectives(lambda f, p: sx.fields.readout(f, p, box=1.0, mesh=mesh, spec=P("d")), field, part)
+    for name, collectives in (("paint", paint), ("readout", readout)):
+        _exchanges_only_on_a_mesh(mesh, collectives, name)
+        # The halo planes between neighbouring slabs: a shift, only on a mesh.
+        assert (collectives["collective_permute"] > 0) == (mesh.size > 1), (name, dict(collectives))
+    power = _collectives(lambda f: sx.fields.power_spectrum(f, box=1.0, bins=4, mesh=mesh, spec=P("d")), field)
+    assert power["all_reduce"] > 0 and (power["all_to_all"] > 0) == (mesh.size > 1), dict(power)
 
 
 def test_ffts(mesh: Mesh) -> None:
     x = jax.device_put(jnp.zeros((8, 8, 8), jnp.float32), NamedSharding(mesh, P("d")))
     z = x.astype(jnp.complex64)
     spec = {"mesh": mesh, "spec": P("d")}
-    assert _cuda_calls(lambda z: sx.fft.fftn(z, **spec), z) == set()  # XLA's own FFT op, no library call
+    calls, collectives = _cuda_program(lambda z: sx.fft.fftn(z, **spec), z)
+    assert calls == set()  # XLA's own FFT op, no library call
+    _exchanges_only_on_a_mesh(mesh, collectives, "fftn")
     _cuda_calls(lambda z: sx.fft.ifftn(z, **spec), z)
     _cuda_calls(lambda x: sx.fft.rfftn(x, **spec), x)
     half = jax.device_put(jnp.zeros((8, 8, 5), jnp.complex64), NamedSharding(mesh, P("d")))
@@ -93,7 +122,8 @@ def test_linalg(mesh: Mesh) -> None:
     n = 64
     a = jax.device_put(2 * jnp.eye(n, dtype=jnp.float32), NamedSharding(mesh, P(None, "d")))
     b = jnp.ones((n,), jnp.float32)
-    _cuda_calls(lambda a, b: sx.linalg.potrs(a, b, mesh=mesh, tuning="gpu"), a, b)
+    collectives = _collectives(lambda a, b: sx.linalg.potrs(a, b, mesh=mesh, tuning="gpu"), a, b)
+    assert collectives["all_reduce"] > 0 and not collectives["all_to_all"], dict(collectives)
     _cuda_calls(lambda a: sx.linalg.potrf(a, mesh=mesh, tuning="gpu"), a)
     _cuda_calls(lambda a: sx.linalg.potri(a, mesh=mesh, tuning="gpu"), a)
     _cuda_calls(lambda a: sx.linalg.syevd(a, mesh=mesh), a)
@@ -114,7 +144,9 @@ def test_collectives(mesh: Mesh) -> None:
                 moved["pos"])
 
     mapped = sx.smap(body, in_specs=P(sx.ALL), out_specs=P(sx.ALL), mesh=mesh)
-    _cuda_calls(mapped, jnp.ones((mesh.size, 4, 3), jnp.float32))
+    collectives = _collectives(mapped, jnp.ones((mesh.size, 4, 3), jnp.float32))
+    if mesh.size > 1:
+        assert {"all_to_all", "all_gather", "all_reduce", "collective_permute"} <= set(collectives), dict(collectives)
 
 
 def test_gpu_presets_take_fewer_steps() -> None:
