@@ -22,8 +22,8 @@ def test_example_two_processes(example):
     assert "[0] " in result.output and "[1] " in result.output
 
 
-def test_seed004_smap_single_process():
-    example = Path(__file__).parent.parent / "examples" / "seed004_smap.py"
+def test_expanding_smap_single_process():
+    example = Path(__file__).parent.parent / "examples" / "expanding_smap.py"
     out = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300,
                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "JAX_NUM_CPU_DEVICES": "1"})
     assert out.returncode == 0, out.stdout + out.stderr

@@ -587,7 +587,7 @@ def test_syevd_jacobi_method():
 
 def test_mesh_with_explicit_axes():
     """Meshes from jax.make_mesh (explicit axes by default): plain and sharded inputs, results in the input's
-    sharding, seed 000's host_replicate step eagerly and inside jit."""
+    sharding, jaxmg's host_replicate step eagerly and inside jit."""
     rng = np.random.default_rng(5)
     m = rng.standard_normal((40, 40))
     a = (m @ m.T / 40 + np.eye(40)).astype(np.float32)

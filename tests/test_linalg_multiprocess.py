@@ -78,20 +78,20 @@ def linalg_checks() -> dict:
     errors["syevd-w"] = float(np.max(np.abs(w - w_ref)))
     errors["syevd-residual"] = float(np.max(np.abs(sym @ v - v * w)))
     statuses["syevd"] = int(_replicated(status, grid))
-    # Seed 000's recipe: columns over every device, replicated across hosts, jaxmg's positional call.
+    # jaxmg's multi-host recipe: columns over every device, replicated across hosts, jaxmg's positional call.
     ndev = jax.device_count()
     diag = jax.device_put(jnp.diag(jnp.arange(1, ndev + 1, dtype=jnp.float32)), NamedSharding(grid, P(None, ("hosts", "d"))))
     diag = sx.host_replicate(diag, grid, axis="hosts")
     ones = _put(np.ones((ndev, 1), np.float32), NamedSharding(grid, P()))
     out = sx.linalg.potrs(diag, ones, 256, grid, (P(None, "T"), P(None, None)))
-    errors["seed000"] = float(np.max(np.abs(_replicated(out, grid)[:, 0] - 1 / np.arange(1, ndev + 1))))
+    errors["jaxmg"] = float(np.max(np.abs(_replicated(out, grid)[:, 0] - 1 / np.arange(1, ndev + 1))))
     # The same on a mesh from jax.make_mesh, whose axes are explicit by default.
     explicit = jax.make_mesh((2, ndev // 2), ("hosts", "d"))
     diag = jax.device_put(jnp.diag(jnp.arange(1, ndev + 1, dtype=jnp.float32)),
                           NamedSharding(explicit, P(None, ("hosts", "d"))))
     diag = sx.host_replicate(diag, explicit, axis="hosts")
     out = sx.linalg.potrs(diag, np.ones((ndev, 1), np.float32), 256, explicit, (P(None, "T"), P(None, None)))
-    errors["seed000-explicit"] = float(np.max(np.abs(np.asarray(out.addressable_data(0))[:, 0]
+    errors["jaxmg-explicit"] = float(np.max(np.abs(np.asarray(out.addressable_data(0))[:, 0]
                                                    - 1 / np.arange(1, ndev + 1))))
     return {"errors": errors, "statuses": statuses}
 

@@ -1,7 +1,7 @@
 """The foundation at the third scale: 2 processes x 4 CPU devices, through `shardax launch` and through `mpirun`.
 
 One launch runs many checks (each launch costs a few seconds): every collective of tests/comm_checks.py on the flat
-and the process x device meshes, the expanding smap, and the seed workflows (multihost psum, mpi4jax-style allreduce
+and the process x device meshes, the expanding smap, and the workflows users come from (multihost psum, mpi4jax-style allreduce
 inside jit, pmap-style global axis size). This module must not import conftest: the children import it by path and
 must keep the device count of the launcher.
 """
@@ -21,7 +21,7 @@ from comm_checks import run_all_in_world, to_numpy
 
 
 def _mpi4jax_style(arr):
-    """Seed 002: `arr + rank`, then an allreduce, inside jit (one rank per device instead of per process)."""
+    """The mpi4jax talk: `arr + rank`, then an allreduce, inside jit (one rank per device instead of per process)."""
     rank = sx.rank_info().rank
     return sx.comm.allreduce(arr + rank)
 
@@ -30,11 +30,11 @@ def core_world_checks() -> dict:
     w = sx.world()
     done = run_all_in_world()
     mesh = sx.flat_mesh()
-    # Seed 002: the same code with mpi4jax would be `mpi4jax.allreduce(arr + rank, op=MPI.SUM, comm=comm)`.
+    # The same code with mpi4jax would be `mpi4jax.allreduce(arr + rank, op=MPI.SUM, comm=comm)`.
     summed = sx.smap(_mpi4jax_style, in_specs=P(), out_specs=P(), mesh=mesh, jit=True)(jnp.zeros((3, 3)))
-    # Seed 003 (multihost pmap): the global axis size is the psum of ones over every device of every host.
+    # JAX's multihost pmap: the global axis size is the psum of ones over every device of every host.
     axis_size = sx.smap(lambda: sx.comm.allreduce(jnp.int32(1)), in_specs=(), out_specs=P(), mesh=mesh)()
-    # Seed 001: psum over all devices of every process of per-device ones.
+    # JAX's multi-host guide: psum over all devices of every process of per-device ones.
     xs = jax.make_array_from_process_local_data(jax.sharding.NamedSharding(mesh, P("d")),
                                                 np.ones((w.local_device_count,), np.float32))
     psum = sx.smap(lambda x: sx.comm.allreduce(x), in_specs=P("d"), out_specs=P("d"), mesh=mesh,

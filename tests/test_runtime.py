@@ -129,7 +129,7 @@ def test_initialize_cpu_devices_in_fresh_process():
     assert out.stdout.strip() == "3 single", out.stdout + out.stderr
 
 
-def test_host_replicate_seed000_layout():
+def test_host_replicate_jaxmg_layout():
     mesh = sx.grid_mesh(("x", "y"))
     a = jax.device_put(jnp.diag(jnp.arange(1, 9, dtype=jnp.float32)), NamedSharding(mesh, P(None, ("x", "y"))))
     out = sx.host_replicate(a, mesh, axis="x")

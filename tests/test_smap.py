@@ -12,7 +12,7 @@ import shardax as sx
 from conftest import make_mesh
 
 
-def _seed004_f(seed):
+def _jztree_guide_f(seed):
     rank, _ndev, _axis_names = sx.rank_info()
     pos = jax.random.uniform(jax.random.key(seed + rank), (100, 3))
     loc = jnp.sum(pos**2)
@@ -36,16 +36,16 @@ def test_rank_info(mesh):
     assert sx.rank_info() == sx.RankInfo(0, 1, ())
 
 
-def test_expanding_smap_seed004(mesh):
+def test_expanding_smap_jztree_guide(mesh):
     size = mesh.devices.size
-    f = sx.smap(_seed004_f, in_specs=(None,), out_specs=(P(-1), P(-1), P()), mesh=mesh, jit=True)
+    f = sx.smap(_jztree_guide_f, in_specs=(None,), out_specs=(P(-1), P(-1), P()), mesh=mesh, jit=True)
     pos, loc, total = f(0)
     assert pos.shape == (size, 100, 3) and loc.shape == (size,) and total.shape == ()
     np.testing.assert_allclose(np.sum(np.asarray(pos) ** 2, axis=(1, 2)), loc, rtol=1e-5)
     np.testing.assert_allclose(total, np.sum(loc), rtol=1e-5)
     ref0 = jax.random.uniform(jax.random.key(0), (100, 3))  # rank 0 of any mesh = the one-device run
     np.testing.assert_array_equal(pos[0], ref0)
-    single_pos, single_loc, single_total = _seed004_f(0)    # the same function outside any mesh
+    single_pos, single_loc, single_total = _jztree_guide_f(0)    # the same function outside any mesh
     np.testing.assert_array_equal(single_pos, ref0)
     np.testing.assert_allclose(single_total, single_loc)
     # Keyword call and a second static value (recompiles, result differs).

@@ -30,7 +30,7 @@ def host_replicate(x: jax.Array, mesh: Mesh, axis: str = "hosts") -> jax.Array:
     """Reshard ``x`` so that mesh axis ``axis`` no longer splits it: every host then holds the whole of what the
     other axes split, spread over its own devices.
 
-    This is seed 000's ``with_sharding_constraint(A, P(None, "y"))`` step, for any spec: a matrix sharded by columns
+    This is jaxmg's ``with_sharding_constraint(A, P(None, "y"))`` step, for any spec: a matrix sharded by columns
     over ``("hosts", "d")`` becomes sharded by columns over ``"d"`` only, replicated across hosts.
 
     Args:

@@ -102,7 +102,7 @@ def world() -> World:
 def device_grid() -> np.ndarray:
     """All devices as an array of shape ``(num_processes, local_device_count)``, rows by process index.
 
-    Within a row, devices are ordered by id. This is the layout of seed 000's ``get_device_grid``.
+    Within a row, devices are ordered by id. This is the layout of jaxmg's ``get_device_grid``.
 
     Example:
         >>> import shardax as sx

@@ -1,7 +1,7 @@
-"""Seed 001 (JAX's multi-host guide): a psum over every device of every process.
+"""JAX's multi-host guide: a psum over every device of every process.
 
-    shardax launch -n 2 --cpu-devices 4 examples/seed001_multihost_psum.py
-    mpirun -n 2 python examples/seed001_multihost_psum.py      # Open MPI detected by sx.initialize()
+    shardax launch -n 2 --cpu-devices 4 examples/multihost_psum.py
+    mpirun -n 2 python examples/multihost_psum.py      # Open MPI detected by sx.initialize()
 """
 
 import jax

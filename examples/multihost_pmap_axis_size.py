@@ -1,7 +1,7 @@
-"""Seed 003 (the multihost pmap PR): the global axis size is the psum of ones over every participating device, and
+"""JAX's multihost pmap: the global axis size is the psum of ones over every participating device, and
 each host passes its own shard of a globally sharded array.
 
-    shardax launch -n 2 --cpu-devices 4 examples/seed003_multihost_pmap.py
+    shardax launch -n 2 --cpu-devices 4 examples/multihost_pmap_axis_size.py
 """
 
 import jax

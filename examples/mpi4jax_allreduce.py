@@ -1,4 +1,4 @@
-"""Seed 002 (mpi4jax talk): `arr + rank`, allreduced inside jit, without MPI bindings.
+"""The mpi4jax talk's first example: `arr + rank`, allreduced inside jit, without MPI bindings.
 
 mpi4jax version (one process per device):
 
@@ -10,7 +10,7 @@ mpi4jax version (one process per device):
 
 shardax runs the same local-view function on every device of every process (`rank` is the device's rank):
 
-    shardax launch -n 2 --cpu-devices 4 examples/seed002_mpi4jax_allreduce.py
+    shardax launch -n 2 --cpu-devices 4 examples/mpi4jax_allreduce.py
 """
 
 import jax.numpy as jnp

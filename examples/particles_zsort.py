@@ -1,8 +1,8 @@
-"""Seed 004 (jz-tree's multi-GPU guide): padded particles, `uniform_particles` and `distr_zsort`, with shardax.
+"""jz-tree's multi-GPU guide: padded particles, `uniform_particles` and `distr_zsort`, with shardax.
 
-    python examples/seed004_particles.py                               # 1 CPU device
-    JAX_NUM_CPU_DEVICES=4 python examples/seed004_particles.py         # 4 devices in one process
-    shardax launch -n 2 --cpu-devices 4 examples/seed004_particles.py  # 8 devices in 2 processes
+    python examples/particles_zsort.py                               # 1 CPU device
+    JAX_NUM_CPU_DEVICES=4 python examples/particles_zsort.py         # 4 devices in one process
+    shardax launch -n 2 --cpu-devices 4 examples/particles_zsort.py  # 8 devices in 2 processes
 
 jz-tree                                          shardax
 ``jztree.data.PosMass(pos=, mass=, num=)``       ``sx.particles.Particles(pos=, num=, mass=, ids=)``

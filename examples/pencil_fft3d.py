@@ -1,12 +1,12 @@
-"""Seed 002 (mpi4jax's hand-written pencil `fft3d`) with shardax: the same transform on a 2D process grid, the JAX way.
+"""mpi4jax's hand-written pencil `fft3d` with shardax: the same transform on a 2D process grid, the JAX way.
 
-The seed reshapes, transposes and calls `mpi4jax.alltoall` by hand over two MPI sub-communicators, and returns the
+The mpi4jax version reshapes, transposes and calls `mpi4jax.alltoall` by hand over two MPI sub-communicators, and returns the
 spectrum "transposed". With shardax the array lives on a 2D mesh (`sx.grid_mesh`: processes x devices), the
 transposes are `all_to_all`s inside `shard_map`, and `layout="transposed"` gives the same skip-the-last-transpose
 output, stored `(k1, k2, k0)` with the input's sharding:
 
-    shardax launch -n 2 --cpu-devices 4 examples/seed002_fft3d.py     # 2 x 4 pencils
-    python examples/seed002_fft3d.py                                  # one process (its devices as 1 x n)
+    shardax launch -n 2 --cpu-devices 4 examples/pencil_fft3d.py     # 2 x 4 pencils
+    python examples/pencil_fft3d.py                                  # one process (its devices as 1 x n)
 """
 
 import jax
@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import shardax as sx
 
 w = sx.initialize()
-mesh = sx.grid_mesh(("x", "y"))  # the seed's comms[0] x comms[1]: one row per process, one column per device
+mesh = sx.grid_mesh(("x", "y"))  # mpi4jax's comms[0] x comms[1]: one row per process, one column per device
 print(f"process {w.process_id}: mesh {dict(mesh.shape)}, {w.device_count} devices in {w.num_processes} process(es)")
 
 shape = (64, 64, 64)
@@ -27,7 +27,7 @@ x = jax.make_array_from_callback(shape, NamedSharding(mesh, P("x", "y")), lambda
 
 
 def fft3d(arr):
-    """The seed's function in the local view: this device's pencil in, its pencil of the transposed spectrum out."""
+    """mpi4jax's function in the local view: this device's pencil in, its pencil of the transposed spectrum out."""
     return sx.fft.local_fftn(arr, spec=P("x", "y"), layout="transposed")
 
 

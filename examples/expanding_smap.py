@@ -1,7 +1,7 @@
-"""Seed 004 (jz-tree's multi-GPU guide): the expanding shard_map and the `.smap` constructor, with shardax.
+"""jz-tree's multi-GPU guide: the expanding shard_map and the `.smap` constructor, with shardax.
 
-    python examples/seed004_smap.py                               # 1 CPU device
-    shardax launch -n 2 --cpu-devices 4 examples/seed004_smap.py  # 8 devices in 2 processes
+    python examples/expanding_smap.py                               # 1 CPU device
+    shardax launch -n 2 --cpu-devices 4 examples/expanding_smap.py  # 8 devices in 2 processes
 """
 
 import jax

@@ -1,11 +1,11 @@
-"""Seed 004: mean distance to the 8 nearest neighbours as a local density estimate, with shardax.
+"""jz-tree's guide: mean distance to the 8 nearest neighbours as a local density estimate, with shardax.
 
 jz-tree's guide computes ``rmean`` with ``knn(part, k=9, result="reduce", reduce_func=...)`` inside a shard_map.
 With shardax the reduction is the ``reduce=`` argument of ``sx.spatial.knn``; the same local-view function runs on
 one device and, through ``knn.smap``, on every device of the run (here all CPU devices of this process, or every
-process of a ``shardax launch -n 2 --cpu-devices 4 examples/seed004_knn_density.py`` run).
+process of a ``shardax launch -n 2 --cpu-devices 4 examples/knn_density.py`` run).
 
-    python examples/seed004_knn_density.py [--n 100000]
+    python examples/knn_density.py [--n 100000]
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Seed 000's multi-host recipe, run to the end on any backend: 2 processes x 4 CPU devices, a diagonal matrix
+"""jaxmg's multi-host recipe, run to the end on any backend: 2 processes x 4 CPU devices, a diagonal matrix
 sharded by columns over every device, replicated across hosts with ``sx.host_replicate``, then ``potrs`` on the 2D
 mesh with jaxmg's positional call. jaxmg needs cuSOLVERMg on one node; ``sx.linalg.potrs`` runs the distributed
 Cholesky in JAX collectives, so it also works across processes, on CPU and on GPU.
 
-    shardax launch -n 2 --cpu-devices 4 examples/seed000_multi_process_potrs.py
+    shardax launch -n 2 --cpu-devices 4 examples/jaxmg_potrs_two_hosts.py
 """
 
 import jax
@@ -22,7 +22,7 @@ mesh2d = sx.grid_mesh(("x", "y"))
 ndev = w.device_count
 A = jax.device_put(jnp.diag(jnp.arange(1, ndev + 1, dtype=jnp.float32)), NamedSharding(mesh2d, P(None, ("x", "y"))))
 
-# Gather over the hosts: every process holds all columns, split over its own devices (seed 000's P(None, "y")).
+# Gather over the hosts: every process holds all columns, split over its own devices (jaxmg's P(None, "y")).
 A = sx.host_replicate(A, mesh2d, axis="x")
 for shard in A.addressable_shards:
     print(f"host-replicated shard on {shard.device}: shape {shard.data.shape}")

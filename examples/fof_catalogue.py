@@ -1,8 +1,8 @@
-"""Seed 004 (jz-tree's multi-GPU guide), distributed friends-of-friends: catalogues written per rank, largest printed.
+"""jz-tree's multi-GPU guide, distributed friends-of-friends: catalogues written per rank, largest printed.
 
-    python examples/seed004_fof_catalogue.py                               # 1 CPU device
-    JAX_NUM_CPU_DEVICES=4 python examples/seed004_fof_catalogue.py         # 4 devices in one process
-    shardax launch -n 2 --cpu-devices 4 examples/seed004_fof_catalogue.py  # 8 devices in 2 processes
+    python examples/fof_catalogue.py                               # 1 CPU device
+    JAX_NUM_CPU_DEVICES=4 python examples/fof_catalogue.py         # 4 devices in one process
+    shardax launch -n 2 --cpu-devices 4 examples/fof_catalogue.py  # 8 devices in 2 processes
 
 jz-tree                                              shardax
 ``jz.fof.fof_and_catalogue(part, rlink=rlink)``      ``sx.spatial.fof(part, rlink)`` (``fof.smap()`` for global)

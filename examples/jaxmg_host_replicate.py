@@ -1,7 +1,7 @@
-"""Seed 000 (jaxmg's multi-process page) with shardax: the device grid, and a column-sharded matrix gathered to the
+"""jaxmg's multi-process page with shardax: the device grid, and a column-sharded matrix gathered to the
 host-replicated layout a per-node solver needs.
 
-    shardax launch -n 2 --cpu-devices 4 examples/seed000_multi_process.py
+    shardax launch -n 2 --cpu-devices 4 examples/jaxmg_host_replicate.py
 """
 
 import jax
