@@ -14,6 +14,7 @@ from ._demo import run_cli as _demo_cli
 from ._doctor import run_cli as _doctor_cli
 from ._halos import run_cli as _halos_cli
 from ._launch import run_cli as _launch_cli
+from ._nbody import run_cli as _nbody_cli
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         Subcommand("demo", "every capability on 2 processes x 4 CPU devices, checked: table and plots", _demo_cli),
         Subcommand("halos", "friends-of-friends halo catalogue (HDF5) and mass function from a snapshot or ICs",
                    _halos_cli),
+        Subcommand("nbody", "particle-mesh N-body from Gaussian ICs to z = 0: Gadget snapshot, P(k), halos, plots",
+                   _nbody_cli),
         Subcommand("bench", "the benchmark suite: each kernel side by side with its anchor, ratios, JSON, plots",
                    _bench_cli),
     )
@@ -59,15 +62,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # Commands that compute in their own process (the others start processes or only check).
-_COMPUTING = ("halos", "demo")
+_COMPUTING = ("halos", "demo", "nbody")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``shardax`` console script.
 
-    Run as the console script (``argv`` left ``None``), ``halos`` and ``demo`` compute in this process: it restarts
-    once with glibc's allocator set up for XLA:CPU (``shardax.runtime._malloc``; ``SHARDAX_MALLOC=system`` keeps the
-    defaults).
+    Run as the console script (``argv`` left ``None``), ``halos``, ``demo`` and ``nbody`` compute in this process:
+    it restarts once with glibc's allocator set up for XLA:CPU (``shardax.runtime._malloc``; ``SHARDAX_MALLOC=system``
+    keeps the defaults).
 
     Args:
         argv: the arguments after the program name (default: ``sys.argv[1:]``).

@@ -1,0 +1,232 @@
+"""The job behind ``shardax nbody``, on every process of the run: simulate, gather, measure, find halos, write.
+
+Every stage is collective except the file writing and plotting, which process 0 does. What is written depends only
+on the options (never on the number of processes or devices): particles are ordered by ID, the power spectrum's
+modes are binned identically at every scale, and FoF labels are the smallest member ID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from ._nbody_files import (
+    HALO_FILE,
+    POWER_FILE,
+    SNAPSHOT_FILE,
+    particle_mass,
+    write_halos,
+    write_power_csv,
+    write_snapshot_file,
+)
+from ._nbody_progress import Stages
+
+# The cosmology options of the command, by field of sx.nbody.Cosmology.
+COSMOLOGY_FIELDS = ("omega_c", "omega_b", "h", "n_s", "sigma8")
+
+
+@dataclasses.dataclass(frozen=True)
+class NbodyOptions:
+    """What ``shardax nbody`` runs (its command-line options).
+
+    Attributes:
+        particles: particles per side (a power of two).
+        box: box side in Mpc/h.
+        steps: kick-drift-kick steps from ``z_start`` to z = 0.
+        z_start: redshift of the initial conditions.
+        seed: seed of the white noise.
+        order: LPT order of the initial conditions (1 or 2).
+        mesh_factor: PM mesh cells per particle per side.
+        cosmology: ``(field, value)`` overrides of ``sx.nbody.Cosmology()``.
+        linking_length: FoF linking length in mean inter-particle spacings.
+        min_members: smallest halo.
+        out: output directory.
+        plots: write the PNG plots.
+    """
+
+    particles: int = 64
+    box: float = 256.0
+    steps: int = 10
+    z_start: float = 10.0
+    seed: int = 0
+    order: int = 2
+    mesh_factor: int = 1
+    cosmology: tuple[tuple[str, float], ...] = ()
+    linking_length: float = 0.2
+    min_members: int = 20
+    out: str = "nbody_out"
+    plots: bool = True
+
+
+def options_from_namespace(ns: argparse.Namespace) -> NbodyOptions:
+    cosmology = tuple((name, float(getattr(ns, name))) for name in COSMOLOGY_FIELDS if getattr(ns, name) is not None)
+    return NbodyOptions(particles=ns.particles, box=ns.box, steps=ns.steps, z_start=ns.z_start, seed=ns.seed,
+                        order=ns.order, mesh_factor=ns.mesh_factor, cosmology=cosmology,
+                        linking_length=ns.linking_length, min_members=ns.min_members, out=ns.out,
+                        plots=not ns.no_plots)
+
+
+class JobResult(NamedTuple):
+    """What :func:`run_job` made: the files written (process 0's list; empty on the others) and the stage times."""
+
+    files: list[str]
+    times: dict[str, float]
+    compile_times: dict[str, float]
+
+
+class _Rows(NamedTuple):
+    """The per-particle columns gathered to the host (``sx.particles.squeeze`` takes any pytree with pos and num)."""
+
+    pos: Any
+    num: Any
+    vel: Any
+    ids: Any
+    labels: Any
+
+
+def run_job(options: NbodyOptions, *, emit: Callable[[str], None] | None = None, mesh: Mesh | None = None
+            ) -> JobResult:
+    """Run the ``shardax nbody`` job on every process of the run (collective) and write its files into
+    ``options.out``.
+
+    Args:
+        options: what to run.
+        emit: where process 0's progress lines go (None: nowhere).
+        mesh: the devices to run on (default: ``sx.flat_mesh()``, every device of every process).
+
+    Returns:
+        A :class:`JobResult`.
+
+    Raises:
+        ValueError: options that the library refuses (e.g. a mesh that does not divide over the devices).
+        OSError: the output directory cannot be written.
+    """
+    from .. import nbody
+    from ..runtime import flat_mesh
+
+    mesh = mesh if mesh is not None else flat_mesh()
+    me = jax.process_index()
+    show = emit if me == 0 else None
+    stages = Stages(6 if options.plots else 5, show)
+    cosmo = nbody.Cosmology(**dict(options.cosmology))
+    n, box, cells = options.particles, options.box, options.particles * options.mesh_factor
+    a_start = 1.0 / (1.0 + options.z_start)
+    if show:
+        show(f"shardax nbody: {n}^3 particles in a {box:g} Mpc/h box, {cells}^3 PM mesh, {options.steps} "
+             f"kick-drift-kick steps from z = {options.z_start:g} to 0 ({_order_name(options.order)}), seed "
+             f"{options.seed}; {jax.process_count()} process(es) x {jax.local_device_count()} "
+             f"{jax.devices()[0].platform.upper()} device(s), {mesh.devices.size} in the mesh")
+    if me == 0:
+        os.makedirs(options.out, exist_ok=True)
+
+    def simulate() -> Any:
+        sim = nbody.simulate(cosmo, particles_per_side=n, box=box, mesh_per_side=cells, a_start=a_start,
+                             a_end=1.0, steps=options.steps, seed=options.seed, order=options.order, mesh=mesh)
+        return jax.block_until_ready(sim)
+
+    sim = stages.run("particle-mesh N-body: initial conditions and steps", simulate)
+    a_end = float(np.asarray(sim.a)[-1]) if np.size(sim.a) else 1.0
+    mass = particle_mass(cosmo, box, n)
+    ll = options.linking_length * box / n
+
+    def halos() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        from ..spatial import fof
+
+        res = fof.smap(mesh)(sim.particles, ll, box=box, min_members=options.min_members)
+        return res.catalogue.to_numpy(), _gather(sim.particles, res.labels)
+
+    catalogue, rows = stages.run("friends-of-friends halos and gathering the particles", halos)
+    power = stages.run("density field and power spectrum", lambda: _power(nbody, cosmo, sim.particles, options,
+                                                                            mesh, a_end))
+    files: list[str] = []
+
+    def write() -> None:
+        if me == 0:
+            out = options.out
+            files.append(write_snapshot_file(os.path.join(out, SNAPSHOT_FILE), rows, options, cosmo, a_end))
+            files.append(write_power_csv(os.path.join(out, POWER_FILE), *power))
+        files.extend(write_halos(os.path.join(options.out, HALO_FILE), catalogue, rows, options, cosmo, a_end,
+                                 mass))
+
+    stages.run("write snapshot, power spectrum and halo catalogue", write)
+    if options.plots:
+        from ._nbody_plots import write_plots
+
+        notes: list[str] = []
+        plotted = stages.run("plots", lambda: write_plots(options, cosmo, rows["pos"], power, catalogue["count"] * mass,
+                                                           mass, nbody.linear_power, notes) if me == 0 else [])
+        files.extend(plotted)
+        if show:
+            for note in notes:
+                show(note)
+    if show:
+        _summary(show, options, cosmo, mass, power, catalogue, files, stages)
+    return JobResult(files if me == 0 else [], stages.times, stages.compile_times)
+
+
+def _order_name(order: int) -> str:
+    return {1: "Zel'dovich (1LPT) initial conditions", 2: "2LPT initial conditions"}[order]
+
+
+def _gather(part: Any, labels: jax.Array) -> dict[str, np.ndarray]:
+    """Positions, velocities, IDs and FoF labels of every particle on every process, sorted by ID."""
+    from ..particles import squeeze
+
+    rows = squeeze(_Rows(pos=part.pos, num=part.num, vel=part.vel, ids=part.ids, labels=labels))
+    order = np.argsort(rows["ids"], kind="stable")
+    return {name: column[order] for name, column in rows.items()}
+
+
+def _power(nbody: Any, cosmo: Any, part: Any, options: NbodyOptions, mesh: Mesh, a_end: float
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(k, P(k), modes, linear P(k) at a_end)`` of the final particles on the PM mesh, CIC-compensated; linear
+    bins of width the fundamental wavenumber up to the mesh's Nyquist wavenumber."""
+    from ..fields import paint, power_spectrum
+
+    cells = options.particles * options.mesh_factor
+    rho = paint(part, (cells, cells, cells), box=options.box, mesh=mesh)
+    delta = rho * (cells**3 / options.particles**3) - 1.0
+    k, pk, modes = power_spectrum(delta, box=options.box, bins=cells // 2 - 1)
+    k = np.asarray(k, np.float64)
+    linear = np.asarray(nbody.linear_power(cosmo, k, a=a_end), np.float64)
+    return k, np.asarray(pk, np.float64), np.asarray(modes, np.int64), linear
+
+
+def _summary(show: Callable[[str], None], options: NbodyOptions, cosmo: Any, mass: float,
+             power: tuple[np.ndarray, ...], catalogue: dict[str, np.ndarray], files: list[str], stages: Stages
+             ) -> None:
+    k, pk, modes, linear = power
+    large = k < 0.1
+    ratio = float(np.sum(modes[large] * pk[large]) / np.sum(modes[large] * linear[large])) if large.any() else math.nan
+    counts = catalogue["count"]
+    total, compiling = sum(stages.times.values()), sum(stages.compile_times.values())
+    lines = [
+        "",
+        f"cosmology         {_cosmology_text(cosmo)}",
+        f"particle mass     {mass:.4g} Msun/h",
+        f"P(k) / linear     {ratio:.3f} at k < 0.1 h/Mpc (mode-weighted; cosmic variance of this box included)",
+        f"halos (>= {options.min_members:d})     {len(counts)} (FoF b = {options.linking_length:g}), holding "
+        f"{int(counts.sum())} particles ({100 * counts.sum() / options.particles**3:.1f}%)"
+        + (f"; largest {counts.max() * mass:.3g} Msun/h ({counts.max()} particles)" if len(counts) else ""),
+        f"files             {', '.join(files)}",
+        f"time              {total:.1f} s, of which {compiling:.1f} s compiling (first calls in this process)",
+    ]
+    for line in lines:
+        show(line)
+
+
+def _cosmology_text(cosmo: Any) -> str:
+    parts = []
+    for name in COSMOLOGY_FIELDS:
+        value = getattr(cosmo, name, None)
+        if value is not None:
+            parts.append(f"{name} = {float(value):.4g}")
+    return ", ".join(parts)

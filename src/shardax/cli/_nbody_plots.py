@@ -1,0 +1,197 @@
+"""The plots of ``shardax nbody`` (PNG, matplotlib): P(k) against linear theory, a density slice and the halo mass
+function against Sheth-Tormen. Process 0 draws them from host arrays; without matplotlib nothing is drawn.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from ._nbody_files import RHO_CRIT, omega_m
+
+POWER_PLOT = "power_spectrum.png"
+SLICE_PLOT = "density_slice.png"
+MASS_FUNCTION_PLOT = "halo_mass_function.png"
+DPI = 150
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def log_ticks(axis: Any, low: float, high: float) -> None:
+    """Major ticks at 1, 2, 5 x 10^k within ``[low, high]`` labelled as plain numbers (``0.05``, ``200``; powers of
+    ten as ``10^k`` outside ``[1e-3, 1e4]``), unlabelled minor ticks: readable over one decade or ten."""
+    import matplotlib.ticker as ticker
+
+    decades = math.log10(high / low)
+    steps = (1, 2, 5) if decades < 3 else (1,) if decades > 6 else (1, 3)
+    ticks = [m * 10.0**e for e in range(math.floor(math.log10(low)) - 1, math.ceil(math.log10(high)) + 1)
+             for m in steps if low <= m * 10.0**e <= high]
+    if len(ticks) < 2:
+        return
+    axis.set_major_locator(ticker.FixedLocator(ticks))
+    axis.set_major_formatter(ticker.FuncFormatter(_tick_label))
+    axis.set_minor_formatter(ticker.NullFormatter())
+
+
+def _tick_label(value: float, _: Any = None) -> str:
+    if value <= 0:
+        return ""
+    exponent = math.floor(math.log10(value) + 1e-9)
+    mantissa = value / 10.0**exponent
+    if -3 <= exponent <= 4:
+        return f"{value:g}"
+    if abs(mantissa - 1) < 1e-6:
+        return f"$10^{{{exponent}}}$"
+    return f"${mantissa:g}\\times10^{{{exponent}}}$"
+
+
+def power_plot(path: str, power: tuple[np.ndarray, ...], box: float, particles: int, z: float) -> str:
+    """``P(k)`` of the final particles with the linear theory and the shot-noise level, and their ratio below."""
+    plt = _pyplot()
+    k, pk, _, linear = power
+    k_nyq = math.pi * particles / box
+    fig, (ax, ratio) = plt.subplots(2, 1, figsize=(5.5, 5.2), sharex=True, gridspec_kw={"height_ratios": (3, 1.3)})
+    shown = pk > 0
+    ax.loglog(k, linear, "-", color="black", lw=1.2, label=f"linear theory, z = {z:g}")
+    ax.loglog(k[shown], pk[shown], "o", ms=3.5, color="C0", label="N-body (CIC, compensated)")
+    ax.axhline(box**3 / particles**3, ls=":", color="gray", lw=1, label="shot noise $V/N$")
+    for axis in (ax, ratio):
+        axis.axvline(k_nyq / 2, ls="--", color="gray", lw=0.8)
+    ax.text(k_nyq / 2, 0.97, " $k_\\mathrm{Nyq}/2$", transform=ax.get_xaxis_transform(), va="top", ha="left",
+            fontsize=8, color="gray")
+    ax.set_ylabel("$P(k)$  [$(\\mathrm{Mpc}/h)^3$]")
+    ax.legend(fontsize=8, frameon=False)
+    ax.set_title(f"Matter power spectrum, {particles}$^3$ particles, {box:g} Mpc/$h$ box", fontsize=10)
+    ratio.semilogx(k[shown], pk[shown] / linear[shown], "o-", ms=3, color="C0")
+    ratio.axhline(1.0, color="black", lw=0.8)
+    ratio.set_ylabel("$P / P_\\mathrm{lin}$")
+    ratio.set_xlabel("$k$  [$h/\\mathrm{Mpc}$]")
+    log_ticks(ratio.xaxis, float(k.min()) * 0.9, float(k.max()) * 1.1)
+    positive = np.concatenate([pk[shown], linear[linear > 0]])
+    log_ticks(ax.yaxis, float(positive.min()) * 0.7, float(positive.max()) * 1.4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def slice_plot(path: str, pos: np.ndarray, box: float, cells: int) -> str:
+    """Overdensity ``1 + delta`` of the particles in the slab ``0 <= z < box/8`` (at least two cells), counted on the
+    mesh's ``cells x cells`` pixels, log colour scale."""
+    plt = _pyplot()
+    from matplotlib.colors import LogNorm
+
+    depth = max(box / 8, 2 * box / cells)
+    inside = pos[:, 2] < depth
+    counts, _, _ = np.histogram2d(pos[inside, 0], pos[inside, 1], bins=cells, range=((0, box), (0, box)))
+    mean = len(pos) * (depth / box) / cells**2
+    density = counts / mean
+    floor = 0.5 / mean  # empty pixels shown as half a particle
+    fig, ax = plt.subplots(figsize=(5.4, 4.6))
+    image = ax.imshow(np.maximum(density, floor).T, origin="lower", extent=(0, box, 0, box), cmap="magma",
+                      norm=LogNorm(vmin=max(floor, 0.05), vmax=max(density.max(), 10 * floor)),
+                      interpolation="nearest")
+    bar = fig.colorbar(image, ax=ax, label="$1 + \\delta$ (projected)")
+    bar.ax.yaxis.set_major_formatter(_formatter())
+    ax.set_xlabel("$x$  [Mpc/$h$]")
+    ax.set_ylabel("$y$  [Mpc/$h$]")
+    ax.set_title(f"Density at z = 0, slab $0 \\leq z < {depth:g}$ Mpc/$h$", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def _formatter() -> Any:
+    import matplotlib.ticker as ticker
+
+    return ticker.FuncFormatter(_tick_label)
+
+
+def sheth_tormen(cosmo: Any, mass: np.ndarray, linear_power: Any) -> np.ndarray:
+    """Sheth-Tormen ``dn / dlog10 M`` in ``(Mpc/h)^-3`` at z = 0 for masses in Msun/h, from the linear power
+    (top-hat ``sigma(M)``, ``delta_c = 1.686``, ``A, a, p = 0.3222, 0.707, 0.3``)."""
+    rho_m = omega_m(cosmo) * RHO_CRIT
+    k = np.logspace(-4, 2, 4000)
+    pk = np.asarray(linear_power(cosmo, k, a=1.0), np.float64)
+    radius = (3 * mass / (4 * np.pi * rho_m)) ** (1 / 3)
+    x = np.outer(radius, k)
+    window = 3 * (np.sin(x) - x * np.cos(x)) / x**3
+    integrand = k**2 * pk * window**2
+    sigma = np.sqrt(np.sum(0.5 * (integrand[:, 1:] + integrand[:, :-1]) * np.diff(k), axis=1) / (2 * np.pi**2))
+    dlninv_sigma = -np.gradient(np.log(sigma), np.log(mass))
+    nu2 = (1.686 / sigma) ** 2
+    a_st, p_st, big_a = 0.707, 0.3, 0.3222
+    f = big_a * np.sqrt(2 * a_st / np.pi) * (1 + (a_st * nu2) ** -p_st) * np.sqrt(nu2) * np.exp(-a_st * nu2 / 2)
+    return np.log(10) * rho_m / mass * f * dlninv_sigma
+
+
+def mass_function_plot(path: str, halo_mass: np.ndarray, particle_mass: float, box: float, min_members: int,
+                       reference: tuple[np.ndarray, np.ndarray] | None) -> str:
+    """``dn / dlog10 M`` of the FoF halos with Poisson errors, the Sheth-Tormen curve, and the mass in particles on
+    the top axis."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 4.4))
+    volume = box**3
+    low = min_members * particle_mass
+    high = max(float(halo_mass.max()) if len(halo_mass) else low, 10 * low)
+    if len(halo_mass):
+        edges = np.logspace(np.log10(low) - 1e-3, np.log10(halo_mass.max()) + 1e-3,
+                            max(3, min(16, int(4 * np.log10(halo_mass.max() / low)) + 2)))
+        counts, _ = np.histogram(halo_mass, edges)
+        widths = np.diff(np.log10(edges))
+        centres = np.sqrt(edges[1:] * edges[:-1])
+        keep = counts > 0
+        ax.errorbar(centres[keep], (counts / widths / volume)[keep], yerr=(np.sqrt(counts) / widths / volume)[keep],
+                    fmt="o", ms=4, capsize=2, label=f"FoF b = 0.2, {len(halo_mass)} halos")
+    if reference is not None:
+        ax.plot(*reference, "-", color="black", lw=1.2, label="Sheth-Tormen (linear theory)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(low / 1.3, high * 1.3)
+    ax.set_xlabel("$M$  [$M_\\odot/h$]")
+    ax.set_ylabel("$dn / d\\log_{10} M$  [$(h/\\mathrm{Mpc})^3$]")
+    log_ticks(ax.xaxis, low / 1.3, high * 1.3)
+    top = ax.secondary_xaxis("top", functions=(lambda m: m / particle_mass, lambda n: n * particle_mass))
+    top.set_xlabel("particles", fontsize=9)
+    log_ticks(top.xaxis, low / 1.3 / particle_mass, high * 1.3 / particle_mass)
+    ax.legend(fontsize=8, frameon=False)
+    ax.set_title(f"Halo mass function at z = 0 (volume {box:g}$^3$ (Mpc/$h$)$^3$)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def write_plots(options: Any, cosmo: Any, pos: np.ndarray, power: tuple[np.ndarray, ...], halo_mass: np.ndarray,
+                particle_mass: float, linear_power: Any, notes: list[str]) -> list[str]:
+    """The three plots into ``options.out``; returns their paths (none, with a note, without matplotlib)."""
+    try:
+        _pyplot()
+    except ImportError:
+        notes.append("plots skipped: matplotlib is not installed (pip install 'shardax[plot]')")
+        return []
+    out, box, n = options.out, options.box, options.particles
+    paths = [power_plot(os.path.join(out, POWER_PLOT), power, box, n, 0.0),
+             slice_plot(os.path.join(out, SLICE_PLOT), pos, box, n * options.mesh_factor)]
+    low = options.min_members * particle_mass
+    grid = np.logspace(np.log10(low / 1.5), np.log10(max(float(halo_mass.max()) if len(halo_mass) else low,
+                                                             10 * low) * 1.5), 60)
+    try:
+        reference: tuple[np.ndarray, np.ndarray] | None = (grid, sheth_tormen(cosmo, grid, linear_power))
+    except (ValueError, FloatingPointError) as err:
+        reference = None
+        notes.append(f"mass function plotted without the Sheth-Tormen curve: {err}")
+    paths.append(mass_function_plot(os.path.join(out, MASS_FUNCTION_PLOT), halo_mass, particle_mass, box,
+                                    options.min_members, reference))
+    return paths
