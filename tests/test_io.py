@@ -17,6 +17,7 @@ import shardax as sx
 from conftest import make_mesh
 from shardax.particles import Particles
 from shardax.spatial._catalogue import Catalogue
+from test_fof_multiprocess import mixed_periodic, reference_catalogue, reference_labels
 
 
 def _particles(mesh_shape: tuple[int, ...] = (4,)) -> Particles:
@@ -197,3 +198,99 @@ def test_bad_snapshots(tmp_path) -> None:
     cut.write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="truncated or corrupt"):
         sx.io.read_snapshot(cut)
+
+
+def fof_table_reference(data: dict, min_members: int) -> dict[str, np.ndarray]:
+    """What a group catalogue of ``data`` must hold, from SciPy's connected components on all the particles."""
+    labels = reference_labels(data["pos"], data["linking_length"], data["box"], min_members)
+    cat = reference_catalogue(data["pos"], labels, data["mass"], data["vel"], data["box"])
+    members = np.flatnonzero(labels >= 0)
+    members = members[np.lexsort((members, labels[members]))]
+    return {"GroupLen": cat["count"], "GroupMass": cat["mass"], "GroupPos": cat["com"], "GroupVel": cat["vel"],
+            "spanning": cat["spanning"], "IDs": members}
+
+
+def check_fof_table(table: dict, want: dict) -> None:
+    group = table["Group"]
+    np.testing.assert_array_equal(group["GroupLen"], want["GroupLen"])
+    np.testing.assert_array_equal(table["IDs"], want["IDs"])
+    np.testing.assert_array_equal(group["GroupOffsetType"][:, 1], np.cumsum(want["GroupLen"]) - want["GroupLen"])
+    np.testing.assert_array_equal(group["GroupLenType"][:, 1], want["GroupLen"])
+    assert not group["GroupLenType"][:, [0, 2, 3, 4, 5]].any()
+    compact = ~want["spanning"].astype(bool)
+    for name in ("GroupMass", "GroupPos", "GroupVel"):
+        np.testing.assert_allclose(group[name][compact], want[name][compact], rtol=1e-5, atol=1e-5, err_msg=name)
+    header = table["Header"]
+    assert int(header["Ngroups_Total"]) == len(want["GroupLen"]) and int(header["Nids_Total"]) == len(want["IDs"])
+
+
+def assert_same_table(a: dict, b: dict) -> None:
+    assert set(a["Header"]) == set(b["Header"])
+    for key in a["Header"]:
+        np.testing.assert_array_equal(a["Header"][key], b["Header"][key], err_msg=key)
+    for name in a["Group"]:
+        np.testing.assert_array_equal(a["Group"][name], b["Group"][name], err_msg=name)
+    np.testing.assert_array_equal(a["IDs"], b["IDs"])
+
+
+def test_fof_table_is_scipy_and_the_same_file_at_every_scale(tmp_path) -> None:
+    """Gadget-4 layout; one device, 8 devices and the local view give the same content (floats included); the
+    per-rank set of one process is the same table; h5py reads it back as docs/fof.md shows."""
+    data = mixed_periodic()
+    want = fof_table_reference(data, 5)
+    assert len(want["GroupLen"]) > 3
+    tables = []
+    for shape in ((1,), (8,)):
+        part = sx.particles.from_numpy(data["pos"], mesh=make_mesh(shape), vel=data["vel"], mass=data["mass"])
+        res = sx.spatial.fof.smap(mesh=make_mesh(shape))(part, data["linking_length"], box=1.0, min_members=5)
+        path = tmp_path / f"fof_tab_{len(tables):03d}.hdf5"
+        assert sx.io.write_fof_table(path, res, part, box=1.0, redshift=1.5,
+                                     parameters={"LinkingLength": 0.02}) == [str(path)]
+        tables.append(sx.io.read_fof_table(path))
+        ranked = sx.io.write_fof_table(tmp_path / "ranked.hdf5", res.labels, part, box=1.0, redshift=1.5,
+                                       per_rank=True)
+        assert ranked == [str(tmp_path / "ranked.0.hdf5")]
+        assert_same_table(sx.io.read_fof_table(tmp_path / "ranked.hdf5"), tables[-1])
+    local = Particles(pos=jnp.asarray(data["pos"]), num=jnp.int32(len(data["pos"])),
+                      ids=jnp.arange(len(data["pos"]), dtype=jnp.int32), vel=jnp.asarray(data["vel"]),
+                      mass=jnp.asarray(data["mass"]))
+    res = sx.spatial.fof(local, data["linking_length"], box=1.0, min_members=5)
+    sx.io.write_fof_table(tmp_path / "local.hdf5", res, local, box=1.0, redshift=1.5)
+    assert_same_table(sx.io.read_fof_table(tmp_path / "local.hdf5"), tables[0])
+    for table in tables:
+        check_fof_table(table, want)
+        assert_same_table(table, tables[0])
+        assert table["Parameters"]["LinkingLength"] == 0.02
+    with h5py.File(tmp_path / "fof_tab_000.hdf5", "r") as f:
+        header = dict(f["Header"].attrs)
+        sizes, offsets, ids = f["Group/GroupLen"][:], f["Group/GroupOffsetType"][:, 1], f["IDs/ID"][:]
+    assert header["NumFiles"] == 1 and header["BoxSize"] == 1.0 and header["Redshift"] == 1.5
+    assert header["Time"] == pytest.approx(0.4) and header["Nsubhalos_Total"] == 0
+    first = ids[offsets[0]: offsets[0] + sizes[0]]
+    np.testing.assert_array_equal(first, want["IDs"][: want["GroupLen"][0]])
+
+
+def test_fof_table_ids_and_bad_arguments(tmp_path) -> None:
+    data = mixed_periodic()
+    part = sx.particles.from_numpy(data["pos"], mesh=make_mesh((2,)))
+    res = sx.spatial.fof.smap(mesh=make_mesh((2,)))(part, data["linking_length"], box=1.0, min_members=5)
+    snapshot_ids = 1000 + 3 * np.arange(len(data["pos"]), dtype=np.uint64)
+    sx.io.write_fof_table(tmp_path / "ids.hdf5", res, part, box=1.0, particle_ids=snapshot_ids)
+    table = sx.io.read_fof_table(tmp_path / "ids.hdf5")
+    np.testing.assert_array_equal(table["IDs"], snapshot_ids[fof_table_reference(data, 5)["IDs"]])
+    np.testing.assert_array_equal(table["Group"]["GroupMass"], table["Group"]["GroupLen"])  # no masses: 1 each
+    with pytest.raises(TypeError, match="per_rank must be a bool"):
+        sx.io.write_fof_table(tmp_path / "x.hdf5", res, part, box=1.0, per_rank="yes")
+    with pytest.raises(ValueError, match="box must be None"):
+        sx.io.write_fof_table(tmp_path / "x.hdf5", res, part, box=-1.0)
+    with pytest.raises(ValueError, match="redshift must be"):
+        sx.io.write_fof_table(tmp_path / "x.hdf5", res, part, box=1.0, redshift=-2.0)
+    with pytest.raises(ValueError, match="part_type must be"):
+        sx.io.write_fof_table(tmp_path / "x.hdf5", res, part, box=1.0, part_type=6)
+    with pytest.raises(ValueError, match="particle_ids has 3 entries"):
+        sx.io.write_fof_table(tmp_path / "x.hdf5", res, part, box=1.0, particle_ids=np.arange(3))
+    with pytest.raises(ValueError, match="part has no `ids`"):
+        sx.io.write_fof_table(tmp_path / "x.hdf5", res, Particles(pos=part.pos, num=part.num), box=1.0)
+    with pytest.raises(FileNotFoundError):
+        sx.io.read_fof_table(tmp_path / "none.hdf5")
+    assert not list(tmp_path.glob("x*"))
