@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from .._version import __version__
-from ..runtime._malloc import restart_with_malloc_env
+from ..runtime import restart_with_malloc_env
 from ._bench import run_cli as _bench_cli
 from ._demo import run_cli as _demo_cli
 from ._doctor import run_cli as _doctor_cli
@@ -35,7 +35,7 @@ class Subcommand:
 SUBCOMMANDS: dict[str, Subcommand] = {
     cmd.name: cmd
     for cmd in (
-        Subcommand("launch", "run a script or module in N local processes (rank-prefixed output)", _launch_cli),
+        Subcommand("launch", "run a script or module in N local processes (rank-tagged output)", _launch_cli),
         Subcommand("doctor", "versions, devices, world and a collective self-test with bandwidth", _doctor_cli),
         Subcommand("demo", "every capability on 2 processes x 4 CPU devices, checked: table and plots", _demo_cli),
         Subcommand("halos", "friends-of-friends halo catalogue (HDF5) and mass function from a snapshot or ICs",
@@ -69,8 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``shardax`` console script.
 
     Run as the console script (``argv`` left ``None``), ``halos``, ``demo`` and ``nbody`` compute in this process:
-    it restarts once with glibc's allocator set up for XLA:CPU (``shardax.runtime._malloc``; ``SHARDAX_MALLOC=system``
-    keeps the defaults).
+    it restarts once with glibc's allocator set up for XLA:CPU (:func:`shardax.runtime.malloc_env`;
+    ``SHARDAX_MALLOC=system`` keeps the defaults).
 
     Args:
         argv: the arguments after the program name (default: ``sys.argv[1:]``).

@@ -1,7 +1,24 @@
-"""Where a process learns its place in a multi-process run: launcher variables and cluster detection.
+"""Where a process learns its place in a multi-process run: the launcher's variables and cluster detection.
 
-Sources, in the order :func:`shardax.initialize` tries them: explicit arguments, the variables ``shardax launch``
-sets, Slurm, Open MPI 4 (ORTE), Open MPI 5 (PRRTE/PMIx, which JAX's own detection misses), else one process.
+This module owns the environment contract between a launcher and :func:`shardax.initialize`: the names below are
+written by :func:`launcher_vars` (for :func:`shardax.runtime.launch`) and read back by :func:`from_launcher`.
+
+=============================== ========================================= ==========================================
+variable                        set by                                    read by
+=============================== ========================================= ==========================================
+``SHARDAX_COORDINATOR_ADDRESS`` the launcher: ``127.0.0.1:<free port>``   ``initialize`` (also overrides Open MPI 5's)
+``SHARDAX_NUM_PROCESSES``       the launcher: ``N``                       ``initialize``
+``SHARDAX_PROCESS_ID``          the launcher: the rank                    ``initialize``
+``SHARDAX_CPU_DEVICES``         the launcher, with ``cpu_devices=M``      ``initialize`` (CPU devices per process)
+``JAX_NUM_CPU_DEVICES``         the launcher, with ``cpu_devices=M``      JAX itself, for code that skips ``initialize``
+``SHARDAX_INITIALIZED``         ``initialize``, in a process that joined  nobody: marks a process of a run
+=============================== ========================================= ==========================================
+
+A process started by a launcher inside a run must not inherit the run's place: :data:`RUN_VARS` are removed from
+the base environment of every process shardax starts.
+
+Sources, in the order :func:`shardax.initialize` tries them: explicit arguments, the launcher's variables, Slurm,
+Open MPI 4 (ORTE), Open MPI 5 (PRRTE/PMIx, which JAX's own detection misses), else one process.
 """
 
 from __future__ import annotations
@@ -12,11 +29,30 @@ import re
 import zlib
 from collections.abc import Mapping
 
-# Set by `shardax launch` for every child process (and readable by any other launcher that wants to drive shardax).
+#: ``"host:port"`` of process 0's coordinator service.
 ENV_COORDINATOR = "SHARDAX_COORDINATOR_ADDRESS"
+#: Number of processes of the run.
 ENV_NUM_PROCESSES = "SHARDAX_NUM_PROCESSES"
+#: This process's index in the run (its rank).
 ENV_PROCESS_ID = "SHARDAX_PROCESS_ID"
+#: CPU devices per process (optional).
 ENV_CPU_DEVICES = "SHARDAX_CPU_DEVICES"
+#: JAX's own CPU device count, set alongside :data:`ENV_CPU_DEVICES`.
+ENV_JAX_CPU_DEVICES = "JAX_NUM_CPU_DEVICES"
+#: Set by :func:`shardax.initialize` in a process that joined a run.
+ENV_INITIALIZED = "SHARDAX_INITIALIZED"
+#: The variables that place a process in one run: never inherited by the processes of another.
+RUN_VARS = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_CPU_DEVICES, ENV_INITIALIZED)
+
+
+def launcher_vars(*, process_id: int, num_processes: int, coordinator: str) -> dict[str, str]:
+    """The variables that tell process ``process_id`` of a run where it is (read back by :func:`from_launcher`)."""
+    return {ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(num_processes), ENV_PROCESS_ID: str(process_id)}
+
+
+def cpu_device_vars(cpu_devices: int) -> dict[str, str]:
+    """The variables that give every process of a run ``cpu_devices`` CPU devices."""
+    return {ENV_CPU_DEVICES: str(cpu_devices), ENV_JAX_CPU_DEVICES: str(cpu_devices)}
 
 
 @dataclasses.dataclass(frozen=True)

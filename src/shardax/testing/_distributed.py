@@ -13,13 +13,10 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
-from ..cli._launch import check_counts, launch_job
-from ..cli._procs import CaptureSink, JobResult, ProcessSpec, run_job
-from ..runtime._env import ENV_CPU_DEVICES
-from ..runtime._malloc import MALLOC_ENV, malloc_env
+from .. import runtime
+from ..runtime import CaptureSink, JobResult, ProcessSpec
 
 Launcher = Literal["shardax", "mpirun"]
-_RUN_VARS = ("SHARDAX_COORDINATOR_ADDRESS", "SHARDAX_NUM_PROCESSES", "SHARDAX_PROCESS_ID", "SHARDAX_INITIALIZED")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,26 +24,24 @@ class LaunchResult:
     """How a launched script ended.
 
     Attributes:
-        returncode: as :func:`shardax.cli.launch` returns it (0 on success).
+        returncode: as :func:`shardax.runtime.launch` returns it (0 on success).
         output: every rank's stdout and stderr lines, prefixed ``[rank] ``, in arrival order, followed by the
-            launcher's message (``shardax launch: ...``) if the run failed.
+            launcher's messages (``shardax launch: ...``: the first error and the verdict) if the run failed.
+        stdout: the stdout lines alone, prefixed.
+        stderr: the stderr lines alone, prefixed, with the launcher's messages.
     """
 
     returncode: int
     output: str
+    stdout: str = ""
+    stderr: str = ""
 
 
 def _child_env(cpu_devices: int | None) -> dict[str, str]:
-    """This process's environment, minus an enclosing run's variables, with shardax importable from here."""
-    env = {k: v for k, v in os.environ.items() if k not in _RUN_VARS}
+    """:func:`shardax.runtime.process_env` of this process's environment, with shardax importable from here."""
+    env = runtime.process_env(cpu_devices=cpu_devices)
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
-    env["PYTHONUNBUFFERED"] = "1"
-    if cpu_devices is not None:
-        env[ENV_CPU_DEVICES] = str(cpu_devices)
-        env["JAX_NUM_CPU_DEVICES"] = str(cpu_devices)
-    else:
-        env.pop(ENV_CPU_DEVICES, None)
     return env
 
 
@@ -56,7 +51,7 @@ def _interrupted(result: JobResult) -> None:
 
 
 def launch_script(path_or_module: str | os.PathLike[str], *args: str, num_processes: int = 2,
-                  cpu_devices: int | None = 4, timeout_s: float | None = 300) -> LaunchResult:
+                  cpu_devices: int | None = 4, timeout_s: float | None = 300, verbose: bool = False) -> LaunchResult:
     """Run an example script (or module) in ``num_processes`` local processes and capture its output.
 
     The same launch as ``shardax launch -n num_processes --cpu-devices cpu_devices``, with the output returned
@@ -69,6 +64,7 @@ def launch_script(path_or_module: str | os.PathLike[str], *args: str, num_proces
         num_processes: number of processes.
         cpu_devices: CPU devices per process.
         timeout_s: stop the run after this many seconds (``returncode`` 124).
+        verbose: keep gloo's connection reports in the output.
 
     Returns:
         A :class:`LaunchResult`.
@@ -82,10 +78,10 @@ def launch_script(path_or_module: str | os.PathLike[str], *args: str, num_proces
     target = os.fspath(path_or_module)
     argv = [target] if target.endswith(".py") or os.path.isfile(target) else ["-m", target]
     sink = CaptureSink()
-    result = launch_job(argv, [str(a) for a in args], num_processes=num_processes, cpu_devices=cpu_devices,
-                        timeout_s=timeout_s, sink=sink, env=_child_env(cpu_devices))
+    result = runtime.launch(argv, *map(str, args), num_processes=num_processes, cpu_devices=cpu_devices,
+                            timeout_s=timeout_s, env=_child_env(cpu_devices), sink=sink, verbose=verbose)
     _interrupted(result)
-    return LaunchResult(result.returncode, sink.text())
+    return LaunchResult(result.returncode, sink.text(), sink.text("stdout"), sink.text("stderr"))
 
 
 def _locate(fn: Callable[..., Any]) -> tuple[str, str, str]:
@@ -115,13 +111,8 @@ def _locate(fn: Callable[..., Any]) -> tuple[str, str, str]:
 
 
 def _mpirun_spec(mpirun: str, argv: Sequence[str], num_processes: int, env: Mapping[str, str]) -> ProcessSpec:
-    env = {**env, **malloc_env(env)}
-    exported = [v for v in ("JAX_NUM_CPU_DEVICES", ENV_CPU_DEVICES, "PYTHONPATH", "PYTHONUNBUFFERED", *MALLOC_ENV)
-                if v in env]
-    command = [mpirun, "--allow-run-as-root", "--oversubscribe", "--tag-output", "-n", str(num_processes)]
-    for var in exported:
-        command += ["-x", var]
-    return ProcessSpec([*command, sys.executable, *argv], env, label="mpirun", name="mpirun")
+    """:func:`shardax.runtime.mpirun_spec` under its former name, for callers not yet moved to it."""
+    return runtime.mpirun_spec(argv, num_processes=num_processes, env=env, mpirun=mpirun)
 
 
 def _failure(title: str, result: JobResult, sink: CaptureSink, missing: Sequence[int] = ()) -> AssertionError:
@@ -173,7 +164,8 @@ def run_distributed(fn: Callable[..., Any], *args: Any, num_processes: int = 2, 
     """
     if launcher not in ("shardax", "mpirun"):
         raise ValueError(f"launcher must be 'shardax' or 'mpirun', got {launcher!r}")
-    check_counts(num_processes, cpu_devices, timeout_s)
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"num_processes must be a positive int, got {num_processes!r}")
     path, module_name, qualname = _locate(fn)
     mpirun = shutil.which("mpirun") if launcher == "mpirun" else None
     if launcher == "mpirun" and mpirun is None:
@@ -192,10 +184,11 @@ def run_distributed(fn: Callable[..., Any], *args: Any, num_processes: int = 2, 
         sink = CaptureSink()
         env = _child_env(cpu_devices)
         if mpirun is None:
-            result = launch_job(argv, num_processes=num_processes, cpu_devices=cpu_devices, timeout_s=timeout_s,
-                                sink=sink, env=env)
+            result = runtime.launch(argv, num_processes=num_processes, cpu_devices=cpu_devices,
+                                    timeout_s=timeout_s, env=env, sink=sink)
         else:
-            result = run_job([_mpirun_spec(mpirun, argv, num_processes, env)], sink=sink, timeout_s=timeout_s)
+            spec = runtime.mpirun_spec(argv, num_processes=num_processes, env=env, mpirun=mpirun)
+            result = runtime.run_processes([spec], sink=sink, timeout_s=timeout_s)
         _interrupted(result)
         files = [os.path.join(tmp, f"result_{r}.pkl") for r in range(num_processes)]
         missing = [r for r, file in enumerate(files) if not os.path.exists(file)]
