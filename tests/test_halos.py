@@ -1,4 +1,8 @@
-"""``shardax halos``: generated data and a snapshot file, checked against the SciPy FoF reference; bad arguments."""
+"""``shardax halos``: the Gadget-4 catalogue from generated data and from a snapshot, checked against SciPy; the same
+file at 1 process and at 2 processes x 4 devices; the compilation cache; bad arguments.
+
+This module must not import conftest: the children of ``sx.testing.run_distributed`` import it by path.
+"""
 
 from __future__ import annotations
 
@@ -10,51 +14,103 @@ import numpy as np
 import pytest
 
 import shardax as sx
-from shardax.cli._halos import generate, run_cli
+from shardax.cli._halos import _forward, generate, halos_parser, run_cli
 from test_fof_multiprocess import reference_labels
 
+_CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_ENABLE_COMPILATION_CACHE",
+              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
 
-def _reference_counts(pos: np.ndarray, linking_length: float, box: float, min_members: int) -> np.ndarray:
+
+@pytest.fixture(autouse=True)
+def _keep_cache_settings(monkeypatch):
+    """The jobs switch JAX's persistent cache through the environment and jax.config: restore both afterwards."""
+    import jax
+
+    for name in _CACHE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    enabled = jax.config.jax_enable_compilation_cache
+    yield
+    jax.config.update("jax_enable_compilation_cache", enabled)
+
+
+def _reference(pos: np.ndarray, linking_length: float, box: float, min_members: int) -> tuple[np.ndarray, np.ndarray]:
+    """Group sizes in label order and the members in group order (then by index), from SciPy."""
     labels = reference_labels(pos, linking_length, box, min_members)
     _, counts = np.unique(labels[labels >= 0], return_counts=True)
-    return np.sort(counts)
+    members = np.flatnonzero(labels >= 0)
+    return counts, members[np.lexsort((members, labels[members]))]
 
 
 def test_generated(tmp_path, capsys) -> None:
     out = tmp_path / "gen"
-    code = run_cli(["--particles", "6000", "--min-members", "10", "--seed", "3", "--out", str(out)])
+    code = run_cli(["--particles", "6000", "--min-members", "10", "--seed", "3", "--out", str(out), "--no-cache"])
     assert code == 0
     text = capsys.readouterr().out
-    assert "[5/5] mass function plot" in text and "largest halos" in text
-    cat = sx.io.read(out / "halos.h5")
+    assert "[4/4] mass function plot" in text and "largest halos" in text
+    assert "friends-of-friends on 8 device(s)" in text and "compiled" in text
+    table = sx.io.read_fof_table(out / "fof_tab_000.hdf5")
     assert (out / "mass_function.png").stat().st_size > 1000
     pos, _ = generate(6000, 1.0, 3)
-    want = _reference_counts(pos, 0.2 / 6000 ** (1 / 3), 1.0, 10)
-    got = np.sort(np.concatenate([cat["count"][d, : cat["num"][d]] for d in range(len(cat["num"]))]))
-    assert len(want) >= 5
-    np.testing.assert_array_equal(got, want)
+    sizes, members = _reference(pos, 0.2 / 6000 ** (1 / 3), 1.0, 10)
+    assert len(sizes) >= 5
+    np.testing.assert_array_equal(table["Group"]["GroupLen"], sizes)
+    np.testing.assert_array_equal(table["IDs"], members)
+    assert table["Parameters"]["MinMembers"] == 10
+
+
+def _snapshot(tmp_path, n: int = 4000, box: float = 20.0, seed: int = 5) -> tuple[str, np.ndarray]:
+    pos, vel = generate(n, box, seed)
+    snap = str(tmp_path / "snap.hdf5")
+    sx.io.write_snapshot(snap, pos, box=box, vel=vel, mass=2.0)
+    return snap, pos
 
 
 def test_snapshot_absolute_linking_length(tmp_path, capsys) -> None:
-    pos, vel = generate(4000, 20.0, 5)
-    snap = tmp_path / "snap.hdf5"
-    sx.io.write_snapshot(snap, pos, box=20.0, vel=vel, mass=2.0)
+    snap, pos = _snapshot(tmp_path)
     out = tmp_path / "snap_out"
-    code = run_cli([str(snap), "--linking-length", "0.25", "--absolute", "--min-members", "8", "--out", str(out),
-                    "--per-rank"])
+    code = run_cli([snap, "--linking-length", "0.25", "--absolute", "--min-members", "8", "--out", str(out),
+                    "--per-rank", "--redshift", "0.5", "--no-cache", "--particle-mass", "1e10"])
     assert code == 0
     text = capsys.readouterr().out
     assert f"snapshot {snap}" in text
-    cat = sx.io.read(out / "halos.h5")
-    got = np.concatenate([cat["count"][d, : cat["num"][d]] for d in range(len(cat["num"]))])
-    np.testing.assert_array_equal(np.sort(got), _reference_counts(pos, 0.25, 20.0, 8))
-    mass = np.concatenate([cat["mass"][d, : cat["num"][d]] for d in range(len(cat["num"]))])
-    np.testing.assert_allclose(np.sort(mass), 2.0 * np.sort(got))
+    assert (out / "fof_tab_000.0.hdf5").exists() and not (out / "fof_tab_000.hdf5").exists()
+    table = sx.io.read_fof_table(out / "fof_tab_000.hdf5")
+    sizes, members = _reference(pos, 0.25, 20.0, 8)
+    np.testing.assert_array_equal(table["Group"]["GroupLen"], sizes)
+    np.testing.assert_array_equal(table["IDs"], members + 1)  # the snapshot's ParticleIDs are 1..N
+    np.testing.assert_allclose(table["Group"]["GroupMass"], 2.0 * sizes)
+    assert table["Header"]["Redshift"] == 0.5 and table["Header"]["BoxSize"] == 20.0
+
+
+def test_forwarded_arguments_round_trip() -> None:
+    ns = halos_parser().parse_args(["snap.hdf5", "--processes", "2", "--cpu-devices", "4", "--redshift", "1.5",
+                                    "--particle-mass", "3e9", "--length-unit", "Mpc/h", "--per-rank", "--no-cache",
+                                    "--plain", "--absolute", "--linking-length", "0.3"])
+    again = halos_parser().parse_args(_forward(ns))
+    assert {k: v for k, v in vars(again).items() if k not in ("processes", "timeout")} == \
+        {k: v for k, v in vars(ns).items() if k not in ("processes", "timeout")}
+
+
+def test_cache_is_used_and_inherited(tmp_path) -> None:
+    """The jobs' cache: a per-user directory that the launched processes inherit, filled by a compile."""
+    code = ("import os, jax, jax.numpy as jnp\n"
+            "from shardax.cli._cache import use_compilation_cache\n"
+            "path = use_compilation_cache(True)\n"
+            "jax.jit(lambda x: jnp.sin(x) * 3)(jnp.arange(5.0)).block_until_ready()\n"
+            "print(path, os.environ['JAX_COMPILATION_CACHE_DIR'], os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'],"
+            " len(os.listdir(path)) > 0, use_compilation_cache(False), os.environ['JAX_ENABLE_COMPILATION_CACHE'])\n")
+    env = {k: v for k, v in os.environ.items() if k not in _CACHE_ENV}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    want = str(tmp_path / "shardax" / "jax")
+    assert proc.stdout.split() == [want, want, "0", "True", "None", "false"]
 
 
 @pytest.mark.parametrize("args, message", [
     (["--linking-length", "-1"], "--linking-length must be positive"),
     (["--min-members", "0"], "--min-members must be a positive integer"),
+    (["--particle-mass", "0"], "--particle-mass must be positive"),
     (["no_such_snapshot.hdf5"], "does not exist"),
 ])
 def test_bad_arguments(args, message, capsys) -> None:
@@ -67,24 +123,41 @@ def test_bad_arguments(args, message, capsys) -> None:
 def test_bad_snapshot_file(tmp_path, capsys) -> None:
     bad = tmp_path / "bad.hdf5"
     bad.write_bytes(b"\x89HDF\r\n" + b"0" * 100)
-    assert run_cli([str(bad), "--out", str(tmp_path / "o")]) == 1
+    assert run_cli([str(bad), "--out", str(tmp_path / "o"), "--no-cache"]) == 1
     assert "truncated or corrupt" in capsys.readouterr().err
 
 
+def _two_layouts(snap: str, out: str) -> dict:
+    """At 2 processes x 4 devices: the shared catalogue and the per-rank set of the same snapshot."""
+    args = [snap, "--min-members", "10", "--no-cache", "--plain"]
+    codes = [run_cli([*args, "--out", os.path.join(out, "shared")]),
+             run_cli([*args, "--out", os.path.join(out, "ranked"), "--per-rank"])]
+    return {"codes": codes, "world": (sx.world().num_processes, sx.world().device_count)}
+
+
+def _same(a: dict, b: dict) -> None:
+    for key in a["Header"]:
+        if key not in ("NumFiles",):
+            np.testing.assert_array_equal(a["Header"][key], b["Header"][key], err_msg=key)
+    for name in a["Group"]:
+        np.testing.assert_array_equal(a["Group"][name], b["Group"][name], err_msg=name)
+    np.testing.assert_array_equal(a["IDs"], b["IDs"])
+
+
 @pytest.mark.multiprocess
-def test_two_processes_on_snapshot(tmp_path) -> None:
-    pos, vel = generate(3000, 1.0, 8)
-    snap = tmp_path / "snap.hdf5"
-    sx.io.write_snapshot(snap, pos, box=1.0, vel=vel)
-    out = tmp_path / "mp"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDAX_", "JAX_NUM_CPU"))}
-    proc = subprocess.run([sys.executable, "-m", "shardax.cli", "halos", str(snap), "--processes", "2",
-                           "--cpu-devices", "2", "--min-members", "10", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "RuntimeWarning" not in proc.stderr, proc.stderr  # the ranks run `python -m shardax.cli halos`
-    assert "[0] [5/5] mass function plot" in proc.stdout
-    cat = sx.io.read(out / "halos.h5")
-    assert cat["num"].shape == (4,)
-    got = np.concatenate([cat["count"][d, : cat["num"][d]] for d in range(4)])
-    np.testing.assert_array_equal(np.sort(got), _reference_counts(pos, 0.2 / 3000 ** (1 / 3), 1.0, 10))
+def test_same_catalogue_at_one_and_two_processes(tmp_path) -> None:
+    snap, pos = _snapshot(tmp_path, 3000, 1.0, 8)
+    assert run_cli([snap, "--min-members", "10", "--out", str(tmp_path / "one"), "--no-cache"]) == 0
+    one = sx.io.read_fof_table(tmp_path / "one" / "fof_tab_000.hdf5")
+    results = sx.testing.run_distributed(_two_layouts, snap, str(tmp_path), num_processes=2, cpu_devices=4)
+    assert [r["world"] for r in results] == [(2, 8), (2, 8)] and all(r["codes"] == [0, 0] for r in results)
+    shared = sx.io.read_fof_table(tmp_path / "shared" / "fof_tab_000.hdf5")
+    ranked_files = sorted(os.listdir(tmp_path / "ranked"))
+    assert [f for f in ranked_files if f.endswith(".hdf5")] == ["fof_tab_000.0.hdf5", "fof_tab_000.1.hdf5"]
+    ranked = sx.io.read_fof_table(tmp_path / "ranked" / "fof_tab_000.hdf5")
+    sizes, members = _reference(pos, 0.2 / 3000 ** (1 / 3), 1.0, 10)
+    np.testing.assert_array_equal(one["Group"]["GroupLen"], sizes)
+    np.testing.assert_array_equal(one["IDs"], members + 1)
+    _same(shared, one)
+    _same(ranked, one)
+    assert int(shared["Header"]["NumFiles"]) == 1 and int(ranked["Header"]["NumFiles"]) == 2

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ._halos import mass_function_plot
+from ._plots import mass_function_plot
 
 
 def _pyplot() -> Any:

@@ -1,5 +1,5 @@
-"""``shardax halos``: friends-of-friends halo catalogue (HDF5) and mass function plot, from a snapshot or from
-generated initial conditions, on one process or many.
+"""``shardax halos``: friends-of-friends halo catalogue (a Gadget-4 ``fof_tab_000.hdf5``) and mass function plot,
+from a snapshot or from generated initial conditions, on one process or many.
 
 Run it as ``shardax halos ...`` or ``python -m shardax.cli halos ...``.
 """
@@ -10,21 +10,29 @@ import argparse
 import math
 import os
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ..runtime._env import ENV_NUM_PROCESSES
+from ._cache import cache_help, use_compilation_cache
+from ._progress import Progress
+
+CATALOGUE = "fof_tab_000.hdf5"
+MSUN_G = 1.98847e33  # grams
+MPC_CM = 3.0856775814913673e24  # centimetres
 
 
 def halos_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardax halos",
         description="Find friends-of-friends halos in a Gadget-style HDF5 snapshot (PartType1) or, without one, in "
-                    "generated clustered initial conditions; write the catalogue (HDF5) and a halo mass function "
-                    "plot (PNG), and print a summary.")
+                    "generated clustered initial conditions; write the catalogue as Gadget-4 does (DIR/"
+                    f"{CATALOGUE}: Header, Group/GroupLen, GroupMass, GroupPos, GroupVel, GroupOffsetType, IDs/ID; "
+                    "the same file at any number of processes and devices) and a halo mass function plot (PNG), "
+                    "and print a summary. The catalogue replaces the padded per-device halos.h5 of earlier "
+                    "versions (sx.io.write of the Catalogue).")
     parser.add_argument("snapshot", nargs="?", default=None, help="snapshot file (default: generate particles)")
     parser.add_argument("--linking-length", type=float, default=0.2, metavar="B",
                         help="linking length in units of the mean inter-particle spacing (default 0.2)")
@@ -39,7 +47,19 @@ def halos_parser() -> argparse.ArgumentParser:
                         help="run under `shardax launch -n N` (rank 0 prints and plots)")
     parser.add_argument("--cpu-devices", type=int, default=None, metavar="M", help="CPU devices per process")
     parser.add_argument("--out", default="halos_out", metavar="DIR", help="output directory (default halos_out)")
-    parser.add_argument("--per-rank", action="store_true", help="one catalogue file per process plus an index")
+    parser.add_argument("--per-rank", action="store_true",
+                        help=f"one catalogue file per process (fof_tab_000.<rank>.hdf5, Gadget's multi-file layout) "
+                             f"instead of one {CATALOGUE}")
+    parser.add_argument("--redshift", type=float, default=None, metavar="Z",
+                        help="Header/Redshift of the catalogue (default: the snapshot's, else 0)")
+    parser.add_argument("--particle-mass", type=float, default=None, metavar="M",
+                        help="mass of one particle in Msun/h: the mass function is then in Msun/h (default: from "
+                             "the snapshot's MassTable and units if it has them, else in particles)")
+    parser.add_argument("--length-unit", default=None, metavar="UNIT",
+                        help="unit of the box side for the plot, e.g. Mpc/h (default: from the snapshot's "
+                             "UnitLength_in_cm if it has it, else 'box units')")
+    parser.add_argument("--no-cache", action="store_true", help=cache_help())
+    parser.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
     parser.add_argument("--timeout", type=float, default=1800.0, metavar="S",
                         help="with --processes: stop after S seconds (default 1800)")
     return parser
@@ -59,6 +79,9 @@ def run_cli(argv: Sequence[str]) -> int:
         parser.error(f"--box must be positive, got {ns.box}")
     if ns.snapshot is not None and not os.path.exists(ns.snapshot):
         parser.error(f"snapshot {ns.snapshot} does not exist")
+    if ns.particle_mass is not None and not (ns.particle_mass > 0 and math.isfinite(ns.particle_mass)):
+        parser.error(f"--particle-mass must be positive (Msun/h), got {ns.particle_mass}")
+    use_compilation_cache(not ns.no_cache)
     if ns.processes is not None and ENV_NUM_PROCESSES not in os.environ:
         from ._launch import launch
 
@@ -78,7 +101,12 @@ def _forward(ns: argparse.Namespace) -> list[str]:
              str(ns.particles), "--box", repr(ns.box), "--seed", str(ns.seed), "--out", ns.out]
     if ns.cpu_devices is not None:
         args += ["--cpu-devices", str(ns.cpu_devices)]
-    return args + [flag for flag, on in (("--absolute", ns.absolute), ("--per-rank", ns.per_rank)) if on]
+    for flag, value in (("--redshift", ns.redshift), ("--particle-mass", ns.particle_mass),
+                        ("--length-unit", ns.length_unit)):
+        if value is not None:
+            args += [flag, str(value) if isinstance(value, str) else repr(value)]
+    return args + [flag for flag, on in (("--absolute", ns.absolute), ("--per-rank", ns.per_rank),
+                                         ("--no-cache", ns.no_cache), ("--plain", ns.plain)) if on]
 
 
 def generate(n: int, box: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -109,27 +137,6 @@ def generate(n: int, box: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return pos[order].astype(np.float32), vel[order].astype(np.float32)
 
 
-class _Stages:
-    """Numbered stage lines with timings, printed by process 0."""
-
-    def __init__(self, total: int, show: bool):
-        self.total, self.show, self.index = total, show, 0
-        self.times: dict[str, float] = {}
-
-    def run(self, name: str, fn: Callable[[], Any]) -> Any:
-        self.index += 1
-        if self.show:
-            sys.stdout.write(f"[{self.index}/{self.total}] {name} ...\n")
-            sys.stdout.flush()
-        start = time.perf_counter()
-        out = fn()
-        self.times[name] = time.perf_counter() - start
-        if self.show:
-            sys.stdout.write(f"      {name}: {self.times[name]:.2f} s\n")
-            sys.stdout.flush()
-        return out
-
-
 def _fof_with_retry(part: Any, linking_length: float, box: tuple[float, ...], min_members: int) -> Any:
     from .._errors import CapacityError
     from ..spatial._fof import fof
@@ -146,33 +153,37 @@ def _fof_with_retry(part: Any, linking_length: float, box: tuple[float, ...], mi
     return fof.smap()(part, linking_length, box=box, min_members=min_members, **options)
 
 
-def mass_function_plot(mass: np.ndarray, volume: float, path: str, title: str) -> bool:
-    """Write ``dn/dlog10 M`` of the halo masses to ``path`` (PNG); False when matplotlib is missing."""
-    try:
-        import matplotlib
+def _units(header: dict[str, Any], ns: argparse.Namespace, particle_mass: float | None) -> tuple[str, float | None]:
+    """The box's length unit for the plot and one particle's mass in Msun/h (None: masses stay in particles), from
+    the options, else the snapshot's unit attributes (Gadget's ``UnitLength_in_cm``, ``UnitMass_in_g``; Gadget's
+    units carry the 1/h)."""
+    length = ns.length_unit
+    unit_cm = header.get("UnitLength_in_cm")
+    if length is None and unit_cm is not None:
+        for name, cm in (("Mpc/h", MPC_CM), ("kpc/h", MPC_CM / 1e3)):
+            if abs(float(unit_cm) / cm - 1) < 1e-3:
+                length = name
+    if ns.particle_mass is not None:
+        return length or "box units", ns.particle_mass
+    unit_g = header.get("UnitMass_in_g")
+    if particle_mass is not None and unit_g is not None:
+        return length or "box units", particle_mass * float(unit_g) / MSUN_G
+    return length or "box units", None
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(5, 4))
-    if len(mass):
-        edges = np.logspace(np.log10(mass.min()) - 0.05, np.log10(mass.max()) + 0.05, 16)
-        counts, _ = np.histogram(mass, edges)
-        widths = np.diff(np.log10(edges))
-        centres = np.sqrt(edges[1:] * edges[:-1])
-        keep = counts > 0
-        ax.errorbar(centres[keep], (counts / widths / volume)[keep],
-                    yerr=(np.sqrt(counts) / widths / volume)[keep], fmt="o-")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-    ax.set_xlabel("halo mass M")
-    ax.set_ylabel("dn / dlog10 M  [per unit volume]")
-    ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+
+def _snapshot_extras(path: str) -> dict[str, Any]:
+    """The whole ``PartType1/ParticleIDs`` (for the catalogue's IDs), the header and the unit attributes (Gadget-4
+    keeps them in ``Parameters``), read on every process."""
+    import h5py
+
+    with h5py.File(path, "r") as handle:
+        f: Any = handle
+        attrs: dict[str, Any] = {}
+        for group in ("Parameters", "Units", "Header"):
+            if group in f:
+                attrs.update({k: np.asarray(v)[()] for k, v in f[group].attrs.items()})
+        ids = np.asarray(f["PartType1/ParticleIDs"][()]) if "PartType1/ParticleIDs" in f else None
+    return {"header": attrs, "particle_ids": ids}
 
 
 def halos(ns: argparse.Namespace) -> int:
@@ -180,60 +191,80 @@ def halos(ns: argparse.Namespace) -> int:
     from .. import io as sxio
     from ..particles import from_numpy
     from ..runtime import initialize
+    from ._plots import mass_function_plot
 
     world = initialize(cpu_devices=ns.cpu_devices)
     me = world.process_id
-    stages = _Stages(5, me == 0)
-    if me == 0:
-        sys.stdout.write(f"shardax halos: {world.num_processes} process(es) x {world.local_device_count} "
-                         f"{world.platform} device(s)\n")
+    steps = Progress(4, show=me == 0, plain=ns.plain)
+    steps.say(f"shardax halos: {world.num_processes} process(es) x {world.local_device_count} {world.platform} "
+              f"device(s)")
 
-    def load() -> tuple[Any, np.ndarray, int, str]:
+    def load() -> tuple[Any, np.ndarray, int, str, dict[str, Any]]:
         if ns.snapshot is not None:
             snap = sxio.read_snapshot(ns.snapshot)
-            return snap.part, snap.box, snap.total, f"snapshot {ns.snapshot}"
+            return snap.part, snap.box, snap.total, f"snapshot {ns.snapshot}", _snapshot_extras(ns.snapshot)
         pos, vel = generate(ns.particles, ns.box, ns.seed)
         rows = np.array_split(np.arange(ns.particles), world.num_processes)[me]
         part = from_numpy(pos[rows], vel=vel[rows], mass=np.ones(len(rows), np.float32))
-        return part, np.full(3, ns.box), ns.particles, f"{ns.particles} generated particles (seed {ns.seed})"
+        return (part, np.full(3, ns.box), ns.particles, f"{ns.particles} generated particles (seed {ns.seed})",
+                {"header": {}, "particle_ids": None})
 
-    part, box, total, source = stages.run("read particles", load)
+    part, box, total, source, extras = steps.run("read particles", load)
+    header = extras["header"]
     volume = float(np.prod(box))
     spacing = (volume / total) ** (1 / 3)
     ll = ns.linking_length if ns.absolute else ns.linking_length * spacing
     box_t = tuple(float(b) for b in box)
-    result = stages.run("friends-of-friends", lambda: _fof_with_retry(part, ll, box_t, ns.min_members))
-    cat = stages.run("gather catalogue", result.catalogue.to_numpy)
+    result = steps.run("friends-of-friends", lambda: _fof_with_retry(part, ll, box_t, ns.min_members),
+                       doing=f"friends-of-friends on {world.device_count} device(s) (compiles on the first run)")
     os.makedirs(ns.out, exist_ok=True)
-    cat_path = os.path.join(ns.out, "halos.h5")
-    files = stages.run("write catalogue", lambda: sxio.write(cat_path, result.catalogue, per_rank=ns.per_rank))
+    cat_path = os.path.join(ns.out, CATALOGUE)
+    redshift = ns.redshift if ns.redshift is not None else float(header.get("Redshift", 0.0))
+    parameters = {"LinkingLength": ll, "LinkingLengthB": ll / spacing, "MinMembers": ns.min_members,
+                  "Source": source}
+    files = steps.run("write catalogue", lambda: sxio.write_fof_table(
+        cat_path, result, part, box=box_t, redshift=redshift, particle_ids=extras["particle_ids"],
+        parameters=parameters, per_rank=ns.per_rank))
+    table = sxio.read_fof_table(cat_path)["Group"] if me == 0 else {}
+    mass_table = np.asarray(header.get("MassTable", np.zeros(2))).reshape(-1)
+    particle_mass = float(mass_table[1]) if ns.snapshot is not None and len(mass_table) > 1 and mass_table[1] > 0 \
+        else None
+    length_unit, msun_h = _units(header, ns, particle_mass)
     plot_path = os.path.join(ns.out, "mass_function.png")
-    plotted = stages.run("mass function plot", lambda: me == 0 and mass_function_plot(
-        cat["mass"], volume, plot_path, f"FoF b={ns.linking_length:g}, {len(cat['mass'])} halos"))
+
+    def plot() -> bool:
+        if me != 0:
+            return False
+        sizes = table["GroupLen"].astype(np.float64)
+        mass, unit = (sizes * msun_h, "$M_\\odot/h$") if msun_h is not None else (sizes, "particles")
+        return mass_function_plot(mass, volume, plot_path, f"FoF b={ll / spacing:.3g}, {len(sizes)} halos, box side "
+                                  f"{box_t[0]:g} ({length_unit})", mass_unit=unit, length_unit=length_unit)
+
+    plotted = steps.run("mass function plot", plot)
     if me == 0:
-        _summary(source, total, ll, spacing, ns, cat, files, plot_path if plotted else None, stages.times)
+        _summary(source, total, ll, spacing, ns, table, files, plot_path if plotted else None, steps.times)
     return 0
 
 
-def _summary(source: str, total: int, ll: float, spacing: float, ns: argparse.Namespace, cat: dict[str, np.ndarray],
+def _summary(source: str, total: int, ll: float, spacing: float, ns: argparse.Namespace, table: dict[str, np.ndarray],
              files: list[str], plot: str | None, times: dict[str, float]) -> None:
+    sizes = table["GroupLen"]
     lines = [
         "",
         f"source            {source}",
         f"particles         {total}",
         f"linking length    {ll:.6g} (b = {ll / spacing:.3g} x mean spacing {spacing:.4g})",
-        f"halos (>= {ns.min_members:d})     {len(cat['count'])}, holding {int(cat['count'].sum())} particles "
-        f"({100 * cat['count'].sum() / max(total, 1):.1f}%)",
-        f"catalogue         {', '.join(files)}",
+        f"halos (>= {ns.min_members:d})     {len(sizes)}, holding {int(sizes.sum())} particles "
+        f"({100 * sizes.sum() / max(total, 1):.1f}%)",
+        f"catalogue         {', '.join(files)} (Gadget-4 layout, read with h5py: f['Group/GroupLen'], f['IDs/ID'])",
         f"mass function     {plot or 'not plotted (pip install matplotlib)'}",
         f"time              {sum(times.values()):.2f} s",
     ]
-    order = np.argsort(-cat["count"], kind="stable")[:5]
+    order = np.argsort(-sizes, kind="stable")[:5]
     if len(order):
-        lines.append("largest halos     label      count        mass   centre of mass")
+        lines.append("largest halos     group      count        mass   centre of mass")
         for i in order:
-            com = " ".join(f"{c:.4f}" for c in cat["com"][i])
-            lines.append(f"                  {cat['label'][i]:<10d} {cat['count'][i]:<10d} {cat['mass'][i]:<11.4g} {com}")
+            com = " ".join(f"{c:.4f}" for c in table["GroupPos"][i])
+            lines.append(f"                  {i:<10d} {sizes[i]:<10d} {table['GroupMass'][i]:<11.4g} {com}")
     sys.stdout.write("\n".join(lines) + "\n")
     sys.stdout.flush()
-
