@@ -1,7 +1,8 @@
-"""`shardax launch` (CLI and `shardax.cli.launch`) and `shardax doctor`.
+"""`shardax launch` (CLI, `shardax.runtime.launch` and `shardax.cli.launch`) and `shardax doctor`.
 
-The launcher tests run tests/mp_bodies/ranks.py, a script that does not import JAX, so each launch costs a fraction
-of a second; only the CLI and doctor tests start the JAX-importing `python -m shardax.cli`.
+The launcher tests run JAX-free scripts (tests/mp_bodies/ranks.py, and TAGGED below, which writes the way gloo and an
+unbuffered Python print do), so each launch costs a fraction of a second; only the CLI and doctor tests start the
+JAX-importing `python -m shardax.cli`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
+import shardax as sx
 from shardax.cli import launch, main
+from shardax.runtime._lines import MAX_LINE, Line, LineAssembler
 
 RANKS = str(Path(__file__).parent / "mp_bodies" / "ranks.py")
 CLI = [sys.executable, "-m", "shardax.cli"]
@@ -46,7 +49,8 @@ def test_cli_prefixes_streams_and_environment() -> None:
 
 
 def test_python_api_and_module_target(capsys: pytest.CaptureFixture[str]) -> None:
-    assert launch(RANKS, "ok", "a", num_processes=3) == 0
+    result = sx.runtime.launch(RANKS, "ok", "a", num_processes=3)
+    assert (result.returncode, result.message, result.failed, result.error) == (0, "", None, None)
     out = capsys.readouterr().out.splitlines()
     assert sorted(line for line in out if "hello" in line) == [f"[{r}] hello from rank {r} of 3" for r in range(3)]
     assert "[2] args a" in out
@@ -54,6 +58,90 @@ def test_python_api_and_module_target(capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["launch", "-n", "2", "-m", "platform", "--terse"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert sorted(line[:4] for line in out) == ["[0] ", "[1] "] and all(len(line) > 4 for line in out)
+
+
+GLOO = "[Gloo] Rank {r} is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+# Writes as a launched JAX program does: an unbuffered print is several writes, and gloo's thread prints its report
+# to the same descriptor in between; both streams interleaved; the last lines without a newline. `fail`: rank 1
+# raises after its output while rank 0 sleeps.
+TAGGED = f"""
+import os, sys, time
+rank = int(os.environ["SHARDAX_PROCESS_ID"])
+out = lambda text: os.write(1, text.encode())
+err = lambda text: os.write(2, text.encode())
+out(f"X (8, 1000) from {{rank}}")
+out("{GLOO}".format(r=rank) + "\\n")
+out(" total 42\\n")
+for i in range(3):
+    out(f"out {{i}}\\n")
+    err(f"err {{i}}\\n")
+if sys.argv[1] == "fail":
+    if rank == 1:
+        raise ValueError("boom from rank 1")
+    time.sleep(60)
+out("stdout tail without newline")
+err("stderr tail without newline")
+"""
+
+
+def test_lines_are_whole_and_gloo_reports_cut_out() -> None:
+    report = GLOO.format(r=3).encode()
+    a = LineAssembler()
+    # A user line in pieces, a report in between (fed byte by byte: any pipe read boundary).
+    got = [line for byte in b"X (8, 1000)" + report + b"\n 42\r\n" for line in a.feed(bytes([byte]))]
+    assert got == [Line(report.decode(), chatter=True), Line("X (8, 1000) 42")]
+    # Reports of several gloo threads printed into each other are chatter; a line that only mentions gloo is not.
+    mixed = (b"[Gloo] Rank [Gloo] Rank 01 is connected to  is connected to 77 peer ranks.  peer ranks. Expected "
+             b"number of connected peer ranks is : Expected number of connected peer ranks is : 77\n")
+    assert a.feed(mixed) == [Line(mixed.decode().strip(), chatter=True)]
+    assert a.feed(b"notes on [Gloo] Rank 0: is connected to 7 peer ranks. slow\n")[0].chatter is False
+    # gloo's report of missing peers is shown, as a line of its own.
+    assert a.feed(b"half [Gloo] Rank 2 is NOT connected to: [0, 1]\nline\n") == [
+        Line("[Gloo] Rank 2 is NOT connected to: [0, 1]"), Line("half line")]
+    # UTF-8 split between reads; the partial last line given whole at the end; nothing is held forever.
+    cafe = "caf\u00e9\n".encode()
+    assert a.feed(cafe[:-2]) == [] and a.feed(cafe[-2:]) == [Line("caf\u00e9")]
+    assert a.feed(b"tail") == [] and a.close() == [Line("tail")] and a.close() == []
+    assert a.feed(b"x" * (MAX_LINE + 1)) == [Line("x" * (MAX_LINE + 1))]
+
+
+def test_tagged_output_streams_and_chatter(tmp_path: Path) -> None:
+    script = tmp_path / "tagged.py"
+    script.write_text(TAGGED)
+    proc = _cli("launch", "-n", "2", str(script), "ok")
+    assert proc.returncode == 0, proc.stderr
+    out, err = proc.stdout.splitlines(), proc.stderr.splitlines()
+    # Every line is tagged and whole, on the stream it was written to; gloo's report is gone and the user line
+    # it landed in is joined again.
+    assert all(line[:4] in ("[0] ", "[1] ") for line in out + err), (out, err)
+    assert "[Gloo]" not in proc.stdout + proc.stderr
+    for r in (0, 1):
+        mine = [line for line in out if line.startswith(f"[{r}] ")]
+        assert mine == [f"[{r}] X (8, 1000) from {r} total 42", *(f"[{r}] out {i}" for i in range(3)),
+                        f"[{r}] stdout tail without newline"]
+        assert [line for line in err if line.startswith(f"[{r}] ")] == [
+            *(f"[{r}] err {i}" for i in range(3)), f"[{r}] stderr tail without newline"]
+
+
+def test_verbose_and_the_first_error_repeated(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "tagged.py"
+    script.write_text(TAGGED)
+    assert main(["launch", "-n", "2", "--verbose", str(script), "fail"]) == 1
+    captured = capsys.readouterr()
+    out, err = captured.out.splitlines(), captured.err.splitlines()
+    # --verbose keeps gloo's report, as a line of its own, and the user line whole.
+    assert "[1] " + GLOO.format(r=1) in out and "[1] X (8, 1000) from 1 total 42" in out
+    assert "[1] Traceback (most recent call last):" in err and "[1] ValueError: boom from rank 1" in err
+    # The error the run failed on is repeated last, with its rank, before the verdict.
+    assert err[-2:] == ["shardax launch: error on rank 1: ValueError: boom from rank 1",
+                        "shardax launch: rank 1 exited with code 1; stopping the other ranks: 0"]
+    # The library API says the same in its result; no gloo report without verbose.
+    sink = sx.runtime.CaptureSink()
+    result = sx.runtime.launch(script, "fail", num_processes=2, sink=sink)
+    assert (result.returncode, result.failed, result.error) == (1, "rank 1", "rank 1: ValueError: boom from rank 1")
+    assert ["shardax launch: " + line for line in result.message.splitlines()] == err[-2:]
+    assert "[Gloo]" not in sink.text() and "[1] X (8, 1000) from 1 total 42" in sink.text("stdout").splitlines()
+    assert "err 0" not in sink.text("stdout") and "out 0" not in sink.text("stderr")
 
 
 def test_failing_rank_sets_exit_code_and_stops_the_others(capsys: pytest.CaptureFixture[str]) -> None:
@@ -171,8 +259,9 @@ def test_doctor_two_processes() -> None:
         row = next(line for line in lines if line.startswith(f"[0] {check} "))
         assert row.endswith("PASS"), row
         assert float(row.split()[-2]) > 0  # GB/s
-    # Only rank 0 reports.
+    # Only rank 0 reports, and gloo's connection reports are not shown.
     assert not any(line.startswith("[1] doctor") for line in lines)
+    assert "[Gloo]" not in proc.stdout + proc.stderr and "peer ranks" not in proc.stdout + proc.stderr
 
 
 def test_doctor_reports_failures() -> None:
