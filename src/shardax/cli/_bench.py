@@ -30,6 +30,7 @@ import numpy as np
 
 from ..runtime._malloc import malloc_env
 from ._bench_cases import KERNELS, Kernel, Target, kernels
+from ._cache import default_cache_dir
 from ._launch import _INHERITED_RUN_VARS, launch_job
 from ._procs import JobResult, ProcessSpec, Stream, run_job
 
@@ -91,8 +92,10 @@ def parse_devices(text: str) -> list[DeviceConfig]:
 class Row:
     """One line of the table (and of the JSON): a kernel against one anchor at one size and device configuration.
 
-    Times are seconds; ``ratio`` is shardax's median over the anchor's; ``value`` is the ratio the target is checked
-    on (``ratio``, or shardax over shardax on one device for scaling targets).
+    Times are seconds; ``ratio`` is shardax's median over the anchor's (steady state: the warm-up call is not in
+    it); ``first_call_s`` is shardax's first call (compilation, or loading from the persistent cache, and capacity
+    retries included); ``value`` is the ratio the target is checked on (``ratio``, or shardax over shardax on one
+    device for scaling targets), at the kernel's ``docs_size`` only.
     """
 
     kernel: str
@@ -126,6 +129,9 @@ def bench_parser() -> argparse.ArgumentParser:
                     "The size sweep runs on the first device configuration; the others run the largest size.")
     parser.add_argument("--quick", action="store_true",
                         help=f"small sizes, 2 repeats, devices {_QUICK_DEVICES}: minutes, not hours")
+    parser.add_argument("--docs-sizes", action="store_true",
+                        help="each kernel at the one size docs/benchmarks.md states its figures and targets at "
+                             "(e.g. FoF and kNN 1e6 points); the targets are judged at that size only")
     parser.add_argument("--only", default=None, metavar="K1,K2",
                         help="comma-separated kernels: " + ", ".join(KERNELS))
     parser.add_argument("--repeat", type=int, default=None, metavar="R",
@@ -136,9 +142,11 @@ def bench_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="bench_out", metavar="DIR", help="output directory (default bench_out)")
     parser.add_argument("--json", default=None, metavar="PATH", help="results file (default DIR/bench.json)")
     parser.add_argument("--cache-dir", default=None, metavar="DIR",
-                        help="persistent XLA compilation cache of the workers (default DIR/xla-cache): a second "
-                             "run skips most compilation")
-    parser.add_argument("--no-cache", action="store_true", help="compile everything afresh")
+                        help="persistent compilation cache of the workers (default $JAX_COMPILATION_CACHE_DIR, else "
+                             f"{default_cache_dir()}, shared with `shardax halos` and `shardax demo`): a second run "
+                             "loads the programs the cache can hold instead of compiling them")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="compile everything afresh (the 'first call' column is then the compile time)")
     parser.add_argument("--timeout", type=float, default=3600.0, metavar="S",
                         help="stop a device configuration's worker after S seconds (default 3600)")
     parser.add_argument("--plain", action="store_true", help="plain text even if `rich` is installed")
@@ -170,16 +178,17 @@ def run_cli(argv: Sequence[str]) -> int:
         parser.error(str(err))
     repeat = ns.repeat or (2 if ns.quick else 5)
     os.makedirs(ns.out, exist_ok=True)
-    cache = None if ns.no_cache else os.path.abspath(ns.cache_dir or os.path.join(ns.out, "xla-cache"))
+    cache = None if ns.no_cache else os.path.abspath(
+        ns.cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR") or default_cache_dir())
     table = kernels(backend)
     return bench([table[n] for n in dict.fromkeys(names)], configs, quick=ns.quick, repeat=repeat, out=ns.out,
                  json_path=ns.json or os.path.join(ns.out, "bench.json"), cache_dir=cache, timeout_s=ns.timeout,
-                 plain=ns.plain, argv=list(argv), backend=backend)
+                 plain=ns.plain, argv=list(argv), backend=backend, docs_sizes=ns.docs_sizes)
 
 
 def bench(kernels: Sequence[Kernel], configs: Sequence[DeviceConfig], *, quick: bool, repeat: int, out: str,
           json_path: str, cache_dir: str | None, timeout_s: float, plain: bool, argv: Sequence[str],
-          backend: str = "cpu") -> int:
+          backend: str = "cpu", docs_sizes: bool = False) -> int:
     """Plan, run a worker per device configuration, then print the table and write the JSON and the plots.
 
     ``kernels`` carry the anchors of ``backend`` (:func:`~shardax.cli._bench_cases.kernels`)."""
@@ -189,8 +198,8 @@ def bench(kernels: Sequence[Kernel], configs: Sequence[DeviceConfig], *, quick: 
     start = time.perf_counter()
     load_before = os.getloadavg()
     skipped, runnable = _skipped_rows(kernels, configs)
-    plans = _plans(runnable, configs, quick)
-    mode = "quick" if quick else "full"
+    plans = _plans(runnable, configs, quick, docs_sizes)
+    mode = "docs sizes" if docs_sizes else "quick" if quick else "full"
     sys.stdout.write(f"shardax bench ({mode}, {backend}): {', '.join(k.name for k in kernels)} on devices "
                      f"{', '.join(c.label for c in configs)}; {repeat} timed call(s) per case\n")
     sys.stdout.flush()
@@ -213,10 +222,11 @@ def bench(kernels: Sequence[Kernel], configs: Sequence[DeviceConfig], *, quick: 
     rows.sort(key=lambda r: _order(r, configs, table))
     wall = time.perf_counter() - start
     machine = _machine(load_before)
-    print_table(rows, kernels, machine, repeat, plain=plain)
+    print_table(rows, kernels, machine, repeat, plain=plain, cache=cache_dir)
     plots, why = write_plots(rows, out)
     sys.stdout.write("".join(f"plot: {p}\n" for p in plots) + (f"plots not written: {why}\n" if why else ""))
-    report = {"shardax_bench": 1, "argv": list(argv), "quick": quick, "repeat": repeat, "backend": backend,
+    report = {"shardax_bench": 1, "argv": list(argv), "quick": quick, "docs_sizes": docs_sizes, "repeat": repeat,
+              "backend": backend, "compilation_cache": cache_dir,
               "devices": [c.label for c in configs], "wall_s": wall, "machine": machine, "plots": plots,
               "kernels": {k.name: {"anchors": dict(k.anchors)} for k in kernels},
               "rows": [dataclasses.asdict(r) for r in rows]}
@@ -267,17 +277,17 @@ def _mpi4jax_missing() -> str:
     return ""
 
 
-def _plans(kernels: Sequence[Kernel], configs: Sequence[DeviceConfig], quick: bool,
+def _plans(kernels: Sequence[Kernel], configs: Sequence[DeviceConfig], quick: bool, docs_sizes: bool = False,
            ) -> list[tuple[DeviceConfig, list[tuple[str, int]]]]:
     """Cases per device configuration: every size on a kernel's first usable configuration, the largest elsewhere."""
     plans: list[tuple[DeviceConfig, list[tuple[str, int]]]] = [(c, []) for c in configs]
     for kernel in kernels:
-        sizes = kernel.sizes(quick)
+        sizes = kernel.sizes(quick, docs_sizes)
         usable = [cases for c, cases in plans if c.devices >= kernel.min_devices]
         for i, cases in enumerate(usable):
             cases += [(kernel.name, s) for s in (sizes if i == 0 else sizes[-1:])]
     if any(k.name == "allreduce" for k in kernels) and not _mpi4jax_missing():
-        plans.append((DeviceConfig(2, 1), [("mpi4jax", KERNELS["allreduce"].sizes(quick)[-1])]))
+        plans.append((DeviceConfig(2, 1), [("mpi4jax", KERNELS["allreduce"].sizes(quick, docs_sizes)[-1])]))
     return [(c, cases) for c, cases in plans if cases]
 
 
@@ -335,7 +345,11 @@ def _run_worker(config: DeviceConfig, cases: list[tuple[str, int]], repeat: int,
         env.update({"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(config.per_process)})
     env.update(malloc_env(env))  # every configuration with the allocator of launched processes
     if cache_dir is not None:
-        env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
+        # Every program, however quickly it compiled (JAX's defaults skip those under 1 s).
+        env.update({"JAX_COMPILATION_CACHE_DIR": cache_dir, "JAX_ENABLE_COMPILATION_CACHE": "true",
+                    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"})
+    else:
+        env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     argv = ["-m", "shardax.cli._bench_worker", plan]
     sink = _ProgressSink("mpirun" if mpi else config.label)
     job: JobResult
@@ -395,7 +409,8 @@ def _first_anchor(case: str, table: Mapping[str, Kernel] = KERNELS) -> str:
 
 
 def _judge(rows: list[Row], configs: Sequence[DeviceConfig], table: Mapping[str, Kernel] = KERNELS) -> None:
-    """Fill in each row's target, the ratio it is checked on and whether it is met."""
+    """Fill in each row's target, the ratio it is checked on and whether it is met (at the kernel's ``docs_size``:
+    elsewhere the ratio is reported without a verdict)."""
     one = {(r.kernel, r.anchor, r.size): r.shardax_median_s for r in rows
            if r.devices == 1 and r.processes == 1 and r.status == "ok"}
     for row in rows:
@@ -407,6 +422,10 @@ def _judge(rows: list[Row], configs: Sequence[DeviceConfig], table: Mapping[str,
             row.target = "report"
             continue
         row.target, row.versus = target.text, target.versus
+        if kernel.docs_size is not None and row.size is not None and row.size != kernel.docs_size:
+            row.target = f"{target.text} at {kernel.size_format.format(kernel.docs_size)}"
+            row.versus = ""
+            continue
         if row.status != "ok":
             continue
         if target.versus == "anchor":

@@ -12,7 +12,8 @@ from ._bench_cases import KERNELS, Kernel
 if TYPE_CHECKING:
     from ._bench import Row
 
-_HEADER = ("kernel", "anchor", "size", "devices", "shardax", "anchor time", "ratio", "target", "met")
+_HEADER = ("kernel", "anchor", "size", "devices", "first call", "shardax", "anchor time", "ratio", "target", "met")
+_RIGHT = range(4, 8)  # the columns of numbers
 
 
 def _seconds(t: float | None, gflops: float | None = None) -> str:
@@ -29,26 +30,32 @@ def _size(row: Row) -> str:
 def _cells(row: Row) -> tuple[str, ...]:
     if row.status != "ok":
         met = "skipped" if row.status == "skipped" else "FAILED"
-        return (row.kernel, row.anchor, _size(row), row.config, "-", "-", "-", row.target, met)
+        return (row.kernel, row.anchor, _size(row), row.config, "-", "-", "-", "-", row.target, met)
     target = row.target
     if row.versus == "1 device":
         target += f": {row.value:.2f}x" if row.value is not None else ": no 1-dev run"
     elif "GFLOP/s" in target and row.ratio:
         target += f": {1 / row.ratio:.2f}x"  # shardax's GFLOP/s over the anchor's: the inverse time ratio
     met = "-" if row.met is None else "yes" if row.met else "no"
-    return (row.kernel, row.anchor, _size(row), row.config,
+    return (row.kernel, row.anchor, _size(row), row.config, _seconds(row.first_call_s),
             _seconds(row.shardax_median_s, row.extra.get("shardax_gflops")),
             _seconds(row.anchor_median_s, row.extra.get("anchor_gflops")),
             "-" if row.ratio is None else f"{row.ratio:.2f}x", target, met)
 
 
-def _notes(rows: Sequence[Row], kernels: Sequence[Kernel], machine: dict[str, Any], repeat: int) -> list[str]:
+def _notes(rows: Sequence[Row], kernels: Sequence[Kernel], machine: dict[str, Any], repeat: int,
+           cache: str | None = None) -> list[str]:
     used = {(r.kernel, r.anchor) for r in rows}
     anchors = [f"  {k.name} vs {a}: {what}" for k in kernels for a, what in k.anchors.items() if (k.name, a) in used]
     load = f"{machine['load_average_start'][0]:.1f} -> {machine['load_average_end'][0]:.1f}"
+    sizes = ", ".join(f"{k.name} {k.size_format.format(k.docs_size)}" for k in kernels if k.docs_size is not None)
+    first = ("compilation or loading from the persistent cache in " + cache if cache else "compilation")
     lines = [f"ratio = shardax / anchor, medians of {repeat} timed call(s) after a warm-up call, measured back to "
-             "back in the same process (< 1: shardax is faster). Targets are those of docs/benchmarks.md; "
-             "'1 dev' targets compare shardax with itself on one device at the same size.",
+             "back in the same process (< 1: shardax is faster): steady state, no compile time in it. "
+             f"'first call' is shardax's warm-up call ({first}, and capacity retries, included).",
+             f"Targets are those of docs/benchmarks.md, judged at the sizes it states them for ({sizes}; "
+             "--docs-sizes runs exactly those); '1 dev' targets compare shardax with itself on one device at the "
+             "same size.",
              f"machine: {machine['cores']} cores, load average {load}, jax {machine['jax']}; the anchors run on "
              "this process's cores whatever the device count.",
              "anchors:", *anchors]
@@ -61,10 +68,10 @@ def _notes(rows: Sequence[Row], kernels: Sequence[Kernel], machine: dict[str, An
 
 
 def print_table(rows: Sequence[Row], kernels: Sequence[Kernel], machine: dict[str, Any], repeat: int, *,
-                plain: bool = False) -> None:
+                plain: bool = False, cache: str | None = None) -> None:
     """Print the table of every row, then notes: what each anchor is, the machine, skipped and failed cases."""
     cells = [_cells(r) for r in rows]
-    notes = _notes(rows, kernels, machine, repeat)
+    notes = _notes(rows, kernels, machine, repeat, cache)
     if not plain:
         try:
             from rich.console import Console
@@ -73,7 +80,7 @@ def print_table(rows: Sequence[Row], kernels: Sequence[Kernel], machine: dict[st
             plain = True
     if plain:
         widths = [max(len(c[i]) for c in (_HEADER, *cells)) for i in range(len(_HEADER))]
-        lines = ["  ".join(f"{c:<{w}}" if i < 4 or i >= 7 else f"{c:>{w}}"
+        lines = ["  ".join(f"{c:>{w}}" if i in _RIGHT else f"{c:<{w}}"
                            for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
                  for row in (_HEADER, *cells)]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -86,7 +93,7 @@ def print_table(rows: Sequence[Row], kernels: Sequence[Kernel], machine: dict[st
         console = Console(highlight=False, width=200)
     table = Table(title="shardax bench", title_justify="left")
     for i, name in enumerate(_HEADER):
-        table.add_column(name, justify="right" if 4 <= i < 7 else "left")
+        table.add_column(name, justify="right" if i in _RIGHT else "left")
     colours = {"yes": "green", "no": "red", "FAILED": "bold red", "skipped": "yellow"}
     for c in cells:
         colour = colours.get(c[-1])
