@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -142,6 +143,20 @@ def test_verbose_and_the_first_error_repeated(tmp_path: Path, capsys: pytest.Cap
     assert ["shardax launch: " + line for line in result.message.splitlines()] == err[-2:]
     assert "[Gloo]" not in sink.text() and "[1] X (8, 1000) from 1 total 42" in sink.text("stdout").splitlines()
     assert "err 0" not in sink.text("stdout") and "out 0" not in sink.text("stderr")
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
+def test_mpirun_lines_come_back_under_their_ranks(tmp_path: Path) -> None:
+    script = tmp_path / "tagged.py"
+    script.write_text(TAGGED.replace('os.environ["SHARDAX_PROCESS_ID"]', 'os.environ["OMPI_COMM_WORLD_RANK"]'))
+    sink = sx.runtime.CaptureSink()
+    spec = sx.runtime.mpirun_spec([str(script), "fail"], num_processes=2, env={**os.environ, "PYTHONPATH": ""})
+    result = sx.runtime.run_processes([spec], sink=sink, timeout_s=60)
+    assert (result.returncode, result.failed, result.error) == (1, "mpirun", "rank 1: ValueError: boom from rank 1")
+    out = sink.text("stdout").splitlines()
+    assert "[1] X (8, 1000) from 1 total 42" in out and "[1] out 2" in out and "[Gloo]" not in sink.text()
+    assert "[1] ValueError: boom from rank 1" in sink.text("stderr").splitlines()
 
 
 def test_failing_rank_sets_exit_code_and_stops_the_others(capsys: pytest.CaptureFixture[str]) -> None:

@@ -129,7 +129,8 @@ def mpirun_spec(argv: Sequence[str], *, num_processes: int, cpu_devices: int | N
 
     The processes get :func:`process_env` of ``env`` (no ``SHARDAX_*`` place: :func:`shardax.initialize` finds
     the run through Open MPI's own variables), exported with ``-x`` so that remote hosts get it too. Their output is
-    tagged by ``mpirun --tag-output`` and comes back as lines of the single process labelled ``mpirun``.
+    tagged by ``mpirun --tag-output``, and :func:`run_processes` gives each line under the rank its tag names
+    (``mpirun``'s own lines under ``mpirun``).
 
     Example:
         >>> import shardax as sx
@@ -144,7 +145,7 @@ def mpirun_spec(argv: Sequence[str], *, num_processes: int, cpu_devices: int | N
     for var in exported:
         if var in env:
             command += ["-x", var]
-    return ProcessSpec([*command, sys.executable, *argv], env, label="mpirun", name="mpirun")
+    return ProcessSpec([*command, sys.executable, *argv], env, label="mpirun", name="mpirun", tagged=True)
 
 
 def launch(target: str | os.PathLike[str] | Sequence[str], /, *args: str, num_processes: int,

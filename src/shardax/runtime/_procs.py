@@ -37,12 +37,15 @@ class ProcessSpec:
         env: its whole environment.
         label: the tag of its output lines (``"0"`` prints as ``[0] ...``).
         name: how the launcher's messages name it (``"rank 0"``, ``"mpirun"``).
+        tagged: its lines carry ``mpirun --tag-output`` tags (``[1,3]<stdout>:``): each is given under the rank
+            its tag names (``"3"``), untagged lines (``mpirun``'s own) under ``label``.
     """
 
     argv: Sequence[str]
     env: Mapping[str, str]
     label: str
     name: str
+    tagged: bool = False
 
 
 class Sink(Protocol):
@@ -135,6 +138,8 @@ class JobResult:
 _ERROR_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Interrupt): \S")
 # Errors that explain the other processes' failures too: their line goes first, whoever failed first.
 _EXPLAINS_OTHERS = ("ProgramMismatchError",)
+# Open MPI's --tag-output prefix, [jobid,rank]<stream>:, which mpirun also leaves inside lines it read in pieces.
+_MPI_TAG = re.compile(r"\[\d+,(\d+)\]<(?:stdout|stderr)>:")
 
 
 class _Errors:
@@ -143,6 +148,7 @@ class _Errors:
     def __init__(self) -> None:
         self.last_error: dict[str, str] = {}
         self.last_stderr: dict[str, str] = {}
+        self.first_error: tuple[str, str] | None = None
         self.explaining: tuple[str, str] | None = None
         self._lock = threading.Lock()
 
@@ -153,17 +159,21 @@ class _Errors:
             self.last_stderr[label] = text
             if _ERROR_LINE.match(text):
                 self.last_error[label] = text
+                self.first_error = self.first_error or (label, text)
                 if self.explaining is None and any(n in text.split(":", 1)[0] for n in _EXPLAINS_OTHERS):
                     self.explaining = (label, text)
 
-    def error(self, label: str, *, signalled: bool) -> tuple[str, str] | None:
+    def error(self, label: str, *, signalled: bool, tagged: bool) -> tuple[str, str] | None:
         """``(label, line)`` that says why process ``label`` failed: a program mismatch, else its last exception
-        line, else (when it exited rather than being killed) its last stderr line."""
+        line (for ``mpirun``, whose ranks' lines come under their own labels: the first exception line of any),
+        else (when it exited rather than being killed) its last stderr line."""
         with self._lock:
             if self.explaining is not None:
                 return self.explaining
             if label in self.last_error:
                 return label, self.last_error[label]
+            if tagged and self.first_error is not None:
+                return self.first_error
             if not signalled and label in self.last_stderr:
                 return label, self.last_stderr[label]
             return None
@@ -247,12 +257,17 @@ class _Job:
         self.readers: list[list[threading.Thread]] = []
         self.received: int | None = None
 
-    def emitter(self, label: str, stream: Stream) -> Callable[[Line], None]:
+    def emitter(self, spec: ProcessSpec, stream: Stream) -> Callable[[Line], None]:
         def emit(line: Line) -> None:
+            label, text = spec.label, line.text
+            if spec.tagged:
+                tag = _MPI_TAG.match(text)
+                label = spec.label if tag is None else tag.group(1)
+                text = _MPI_TAG.sub("", text)
             if line.chatter and not self.verbose:
                 return
-            self.errors.see(label, stream, line.text)
-            self.sink.line(label, stream, line.text)
+            self.errors.see(label, stream, text)
+            self.sink.line(label, stream, text)
 
         return emit
 
@@ -267,7 +282,7 @@ class _Job:
             streams: tuple[tuple[IO[bytes] | None, Stream], ...] = ((proc.stdout, "stdout"), (proc.stderr, "stderr"))
             for pipe, stream in streams:
                 assert pipe is not None
-                t = threading.Thread(target=_pump, args=(pipe, self.emitter(spec.label, stream)), daemon=True)
+                t = threading.Thread(target=_pump, args=(pipe, self.emitter(spec, stream)), daemon=True)
                 t.start()
                 threads.append(t)
             self.readers.append(threads)
@@ -366,11 +381,11 @@ def _failure(job: _Job, index: int, code: int) -> JobResult:
     verdict = describe_exit(spec.name, code)
     if others:
         verdict += f"; stopping the other {_running_word(job)}: {job.names(others)}"
-    found = job.errors.error(spec.label, signalled=code < 0)
+    found = job.errors.error(spec.label, signalled=code < 0, tagged=spec.tagged)
     if found is None:
         return JobResult(shell_code(code), verdict, failed=spec.name)
     label, text = found
-    by = next(s.name for s in job.specs if s.label == label)
+    by = next((s.name for s in job.specs if s.label == label), f"rank {label}")
     error = f"{by}: {text}"
     return JobResult(shell_code(code), f"error on {error}\n{verdict}", failed=spec.name, error=error)
 
