@@ -12,6 +12,7 @@ from . import fft as fft
 from . import fields as fields
 from . import io as io
 from . import linalg as linalg
+from . import nbody as nbody
 from . import particles as particles
 from . import runtime as runtime
 from . import spatial as spatial
@@ -37,5 +38,5 @@ from .runtime import world as world
 __all__ = [
     "ALL", "CapacityError", "DistributedSetupError", "ProgramMismatchError", "RankInfo", "ShardaxError", "World",
     "__version__", "comm", "device_grid", "distributed", "fft", "fields", "flat_mesh", "grid_mesh", "host_replicate",
-    "initialize", "io", "linalg", "particles", "rank_info", "smap", "spatial", "testing", "world",
+    "initialize", "io", "linalg", "nbody", "particles", "rank_info", "smap", "spatial", "testing", "world",
 ]

@@ -1,0 +1,51 @@
+"""Particle-mesh gravity in the local view: paint, Poisson solve in Fourier space, gradient, readout."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .. import comm, fft, fields
+from ..particles import Particles
+from ._lpt import Kernels, scaled, times_i
+from ._setup import Setup
+
+
+def wrap(pos: jax.Array, box: float) -> jax.Array:
+    """Positions wrapped into ``[0, box)`` (the upper edge, reached by rounding, folds to 0)."""
+    size = jnp.asarray(box, pos.dtype)
+    wrapped = pos - size * jnp.floor(pos / size)
+    return jnp.where(wrapped >= size, wrapped - size, wrapped)
+
+
+def local_pm_forces(setup: Setup, pos: jax.Array, num: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """PM force ``F = -grad phi``, ``laplace phi = delta``, at this device's particles `pos (n_local, 3)` (Mpc/h).
+
+    ``delta`` is the cloud-in-cell overdensity of all particles on the ``nm^3`` mesh (the first ``num`` rows of
+    every device: all rows by default); ``F`` has units of Mpc/h
+    (the displacement a linear mode gets per unit growth; the acceleration is ``3/2 Omega_m F / a^2``).
+
+    Returns:
+        ``(forces (n_local, 3), needed)``: the force and the most particles a device had to receive while painting
+        or reading (above ``setup.capacity`` some were dropped: the caller raises).
+    """
+    nm = setup.nm
+    if num is None:
+        num, total = jnp.int32(pos.shape[0]), setup.n**3
+    else:
+        total = comm.allreduce(num).astype(pos.dtype)
+    part = Particles(pos=wrap(pos, setup.box), num=num)
+    rho, needed = fields.local_paint(part, (nm, nm, nm), box=setup.box, spec=setup.spec, capacity=setup.capacity)
+    delta = rho * (nm**3 / total) - 1
+    kern = Kernels(setup, nm, pos.dtype)
+    green = kern.inv_laplace
+    if setup.deconvolve:
+        green = green / kern.cic_window()
+    phi = scaled(fft.local_rfftn(delta, spec=setup.spec, layout="transposed"), green)
+    forces = []
+    for g in kern.grad:
+        component = fft.local_irfftn(times_i(phi, -g), spec=setup.spec, layout="transposed", s=(nm, nm, nm))
+        values, got = fields.local_readout(component, part, box=setup.box, spec=setup.spec, capacity=setup.capacity)
+        forces.append(values)
+        needed = jnp.maximum(needed, got)
+    return jnp.stack(forces, axis=1), needed
