@@ -1,4 +1,4 @@
-"""`sx.testing`: run_distributed (through shardax launch and mpirun), launch_script, the tolerance table.
+"""`sx.testing`: run_distributed (through sx.runtime.launch and mpirun), launch_script, the tolerance table.
 
 `world_checks` is the multi-process body: one launch per launcher runs every check (world, device grid, a psum across
 processes, seed 000's host replication, seed 001's psum over all devices) and the parent compares the per-process
@@ -171,9 +171,16 @@ def test_launch_script_captures_output() -> None:
     for rank in (0, 1):
         assert f"[{rank}] hello from rank {rank} of 2" in lines
         assert f"[{rank}] cpu devices 2 2" in lines and f"[{rank}] args z" in lines
+        # Each stream on its own as well.
+        assert f"[{rank}] stderr line from rank {rank}" in ok.stderr.splitlines()
+        assert f"[{rank}] args z" in ok.stdout.splitlines() and "stderr line" not in ok.stdout
     failed = sx.testing.launch_script(Path(RANKS), "fail", "0", "5", num_processes=2, timeout_s=60)
     assert failed.returncode == 5
-    assert failed.output.splitlines()[-1] == "shardax launch: rank 0 exited with code 5; stopping the other ranks: 1"
+    # The failing rank's last stderr line is repeated, then the verdict ends the output.
+    assert failed.output.splitlines()[-2:] == [
+        "shardax launch: error on rank 0: rank 0 is failing",
+        "shardax launch: rank 0 exited with code 5; stopping the other ranks: 1"]
+    assert failed.stderr.splitlines()[-2:] == failed.output.splitlines()[-2:]
     module = sx.testing.launch_script("platform", "--terse", num_processes=2, timeout_s=60)
     assert module.returncode == 0 and sorted(line[:4] for line in module.output.splitlines()) == ["[0] ", "[1] "]
 
@@ -227,8 +234,9 @@ def test_importing_testing_starts_no_backend() -> None:
     import subprocess
 
     keys = ("jax_num_cpu_devices", "jax_cpu_collectives_implementation", "jax_enable_x64", "jax_platforms")
-    code = (f"import jax; keys = {keys!r}; before = [getattr(jax.config, k) for k in keys]; "
-            "import shardax.testing, shardax.cli; from jax._src import xla_bridge; "
+    code = (f"import sys, jax; keys = {keys!r}; before = [getattr(jax.config, k) for k in keys]; "
+            "import shardax.testing; assert not any(m.startswith('shardax.cli') for m in sys.modules), 'cli'; "
+            "import shardax.cli; from jax._src import xla_bridge; "
             "assert not xla_bridge.backends_are_initialized(), 'backend started'; "
             "assert before == [getattr(jax.config, k) for k in keys], 'config changed'; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
