@@ -135,3 +135,31 @@ def test_smap_and_fft_compile_once_per_shapes_with_the_rule(monkeypatch: pytest.
     for _ in range(2):
         np.testing.assert_allclose(np.asarray(sx.fft.fftn(x)), np.fft.fftn(cube), rtol=1e-4, atol=1e-4)
     assert calls == [ndev, ndev, ndev]
+
+
+def test_tuning_follows_the_devices_a_kernel_runs_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The preset is that of the mesh's devices (passed, or the mesh being traced), not JAX's default backend: with
+    a default backend that says "gpu", CPU devices still get the CPU preset, and the reverse."""
+    from shardax.runtime._backend import resolve_tuning, step_bytes, tuning_backend
+    from shardax.spatial._knn_tuning import PRESETS, KnnTuning
+
+    monkeypatch.delenv("SHARDAX_TUNING", raising=False)
+    gpus = [SimpleNamespace(platform="gpu", process_index=0, memory_stats=lambda: {"bytes_limit": 80 << 30})]
+    assert tuning_backend(gpus) == "gpu"
+    assert resolve_tuning(None, PRESETS, KnnTuning, "knn", gpus) is PRESETS["gpu"]
+    assert step_bytes(gpus) == (80 << 30) // 16
+    mesh = sx.flat_mesh()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert tuning_backend() == "gpu"  # nothing else to go by
+    assert tuning_backend(mesh.devices) == "cpu"
+    assert resolve_tuning(None, PRESETS, KnnTuning, "knn", mesh.devices) is PRESETS["cpu"]
+    seen: list[str] = []
+
+    def body(x: jax.Array) -> jax.Array:
+        seen.append(tuning_backend())  # inside the map: the traced mesh's platform
+        return x
+
+    sx.smap(body, in_specs=(P(sx.ALL),), out_specs=P(sx.ALL), mesh=mesh)(jnp.ones((mesh.devices.size, 2)))
+    assert seen == ["cpu"]
+    monkeypatch.setenv("SHARDAX_TUNING", "gpu")  # the override still wins
+    assert tuning_backend(mesh.devices) == "gpu"

@@ -330,7 +330,8 @@ def paint(part: Any, shape: Sequence[int], *, box: Any, mesh: Mesh | None = None
     the_spec = default_spec(the_mesh) if spec is None else spec
     shape3 = _shape3(shape)
     box_key = box if isinstance(box, int | float) else _box3(box)
-    field, checks = _paint_fn(the_mesh, shape3, box_key, the_spec, capacity, tuning_backend())(_rows(part))
+    backend = tuning_backend(the_mesh.devices)
+    field, checks = _paint_fn(the_mesh, shape3, box_key, the_spec, capacity, backend)(_rows(part))
     if not isinstance(checks[0], Tracer):  # (under an outer jit nothing can be checked)
         _raise_errors("paint", checks, box, capacity or part.pos.shape[1])
     return field
@@ -372,7 +373,8 @@ def readout(field: jax.Array, part: Any, *, box: Any, mesh: Mesh | None = None, 
     _check_global(part, "readout")
     the_mesh, the_spec = field_sharding(field, mesh, spec, "readout")
     box_key = box if isinstance(box, int | float) else _box3(box)
-    values, checks = _readout_fn(the_mesh, box_key, the_spec, capacity, tuning_backend())(field, _rows(part))
+    backend = tuning_backend(the_mesh.devices)
+    values, checks = _readout_fn(the_mesh, box_key, the_spec, capacity, backend)(field, _rows(part))
     if not isinstance(checks[0], Tracer):
         _raise_errors("readout", checks, box, capacity or part.pos.shape[1])
     return values

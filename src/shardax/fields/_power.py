@@ -166,4 +166,5 @@ def power_spectrum(field: jax.Array, *, box: Any, bins: int | Sequence[float], m
     the_mesh, the_spec = field_sharding(field, mesh, spec, "power_spectrum")
     box_key = box if isinstance(box, int | float) else tuple(box)
     bins_key = bins if isinstance(bins, int) else tuple(float(b) for b in bins)
-    return _power_fn(the_mesh, the_spec, box_key, bins_key, bool(compensate), tuning_backend())(field)
+    backend = tuning_backend(the_mesh.devices)
+    return _power_fn(the_mesh, the_spec, box_key, bins_key, bool(compensate), backend)(field)

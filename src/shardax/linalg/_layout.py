@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -71,10 +72,10 @@ class LinalgTuning:
 PRESETS = {"cpu": LinalgTuning(), "gpu": LinalgTuning(tile=512, min_tile=128, min_local_blocks=8)}
 
 
-def default_tile(n: int, nproc: int, tuning: LinalgTuning | str | None = None) -> int:
+def default_tile(n: int, nproc: int, tuning: LinalgTuning | str | None = None, devices: Any = None) -> int:
     """Block size used when none is given: the tuning's ``tile`` (256 on CPU, 512 on GPU), halved down to its
     ``min_tile`` while ``n`` leaves fewer than ``min_local_blocks`` blocks per device."""
-    t = resolve_tuning(tuning, PRESETS, LinalgTuning, "linalg")
+    t = resolve_tuning(tuning, PRESETS, LinalgTuning, "linalg", devices)
     tile = t.tile
     while tile > t.min_tile and n < t.min_local_blocks * tile * nproc:
         tile //= 2
@@ -101,12 +102,12 @@ class BlockCyclic:
 
     @classmethod
     def create(cls, n: int, tile: int | None, nproc: int, rows: int = 1,
-               tuning: LinalgTuning | str | None = None) -> BlockCyclic:
+               tuning: LinalgTuning | str | None = None, devices: Any = None) -> BlockCyclic:
         """The layout for a requested ``tile`` (``None``: :func:`default_tile` of ``tuning``) on a
-        ``rows x (nproc / rows)`` process grid."""
+        ``rows x (nproc / rows)`` process grid; ``devices``: those it runs on (they choose the preset)."""
         if rows < 1 or nproc % rows:
             raise ValueError(f"{rows} process rows do not divide {nproc} devices")
-        tile = default_tile(n, nproc, tuning) if tile is None else tile
+        tile = default_tile(n, nproc, tuning, devices) if tile is None else tile
         return cls(n, max(1, min(tile, math.ceil(n / nproc))), nproc, rows)
 
     @property

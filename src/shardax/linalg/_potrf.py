@@ -8,6 +8,7 @@ from jax import lax
 
 from ..comm import allreduce
 from ..core import rank_info
+from ..runtime._backend import device_platform
 from ._layout import COL, ROW, BlockCyclic, to_columns_local, to_grid_local
 from ._vary import index, vary_like
 
@@ -121,7 +122,7 @@ def solver_library() -> bool:
     potrf and a triangular solve: 2.3x / 1.6x faster than ``diagonal_factor`` for f32 / f64 ``potrs`` at N=8192 on
     one H100); on XLA:CPU a LAPACK/BLAS call inside the loop spins threads that fight XLA's own for the cores, so the
     blocks are factored with matrix products only."""
-    return jax.default_backend() != "cpu"
+    return device_platform() != "cpu"
 
 
 def first_failure(diag: jax.Array) -> jax.Array:

@@ -435,7 +435,7 @@ def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., 
     def call(part: Any, linking_length: float, *, box: Any = None, min_members: int = 20,
              max_groups: int | None = None, edge_capacity: int | None = None, halo_capacity: int | None = None,
              sort_capacity: int | None = None, tuning: Tuning | TuningName | None = None) -> FofResult:
-        tuning = resolve(tuning, "fof.smap")
+        tuning = resolve(tuning, "fof.smap", None if mesh is None else mesh.devices)
         if getattr(part, "pos", None) is None or not hasattr(part, "num") or jnp.ndim(part.pos) != 3:
             raise ValueError("fof.smap: part must be a global particle pytree with pos of shape (ndev, n, d) "
                              "(e.g. from shardax.particles.from_numpy); call fof() for the local view")

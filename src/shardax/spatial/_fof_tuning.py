@@ -10,7 +10,7 @@ counts what the loops did.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 
@@ -68,9 +68,10 @@ _SLOT_BYTES = 160
 _EDGE_BYTES = 48
 
 
-def resolve(tuning: Tuning | str | None, where: str = "fof") -> Tuning:
-    """The :class:`Tuning` a call runs with: ``tuning`` itself, a named preset, or the backend's for ``None``."""
-    return resolve_tuning(tuning, PRESETS, Tuning, where)
+def resolve(tuning: Tuning | str | None, where: str = "fof", devices: Any = None) -> Tuning:
+    """The :class:`Tuning` a call runs with: ``tuning`` itself, a named preset, or for ``None`` the preset of the
+    backend of ``devices`` (default: the mesh being traced, else JAX's default backend)."""
+    return resolve_tuning(tuning, PRESETS, Tuning, where, devices)
 
 
 def step_sizes(tuning: Tuning, rows: int) -> tuple[int, int]:

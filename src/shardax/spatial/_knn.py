@@ -326,7 +326,7 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
         # Pytrees travel as flat leaf lists: smap's spec broadcasting would give an absent (None) field a spec.
         part_leaves, part_def = jax.tree.flatten(part)
         query_leaves, query_def = jax.tree.flatten(query)
-        resolved = resolve(tuning, "knn.smap")
+        resolved = resolve(tuning, "knn.smap", None if mesh is None else mesh.devices)
         key = (k, static_box, reduce, ghost_capacity, zorder, resolved, part_def, query_def)
         fn = cache.get(key)
         if fn is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from ..runtime._backend import resolve_tuning, step_bytes
 
@@ -95,9 +95,10 @@ class KnnTuning:
 PRESETS = {"cpu": KnnTuning(preset="cpu"), "gpu": KnnTuning(preset="gpu")}
 
 
-def resolve(tuning: KnnTuning | str | None, where: str) -> KnnTuning:
-    """The caller's ``tuning=`` (None, ``"cpu"``, ``"gpu"`` or a :class:`KnnTuning`) as a :class:`KnnTuning`."""
-    return resolve_tuning(tuning, PRESETS, KnnTuning, where)
+def resolve(tuning: KnnTuning | str | None, where: str, devices: Any = None) -> KnnTuning:
+    """The caller's ``tuning=`` (None, ``"cpu"``, ``"gpu"`` or a :class:`KnnTuning`) as a :class:`KnnTuning`; for
+    ``None`` the preset of the backend of ``devices`` (default: the mesh being traced, else JAX's default)."""
+    return resolve_tuning(tuning, PRESETS, KnnTuning, where, devices)
 
 
 class Sizes(NamedTuple):
