@@ -21,6 +21,8 @@ _REPORT = re.compile(rb"(?:(?P<chatter>" + _CONNECTED + rb")|" + _NOT_CONNECTED 
 # The fixed words of the connection report, for reports printed in pieces of each other.
 _WORDS = re.compile(rb"\[Gloo\] Rank |is connected to|peer ranks\.|Expected number of connected peer ranks is :")
 _ONLY_NUMBERS = re.compile(rb"[\d\s:.]*")
+# Every report, and every piece of one, holds one of these.
+_CLUES = (b"[Gloo]", b"onnected", b"peer ranks")
 # A line longer than this is given in parts rather than held (a process writing without newlines).
 MAX_LINE = 1 << 20
 
@@ -60,24 +62,30 @@ class LineAssembler:
 
     def feed(self, data: bytes) -> list[Line]:
         """The lines that ``data`` completes."""
-        self._pending += data
-        lines = []
-        while True:
-            end = self._pending.find(b"\n")
-            if end < 0:
-                break
-            raw, rest = self._pending[:end + 1], self._pending[end + 1:]
+        buf = self._pending + data
+        if not any(word in buf for word in _CLUES):  # the common case: split, nothing to look for
+            *complete, self._pending = buf.split(b"\n")
+            lines = [Line(_decode(raw)) for raw in complete]
+        else:
+            lines = self._scan(buf)
+        if len(self._pending) > MAX_LINE:
+            lines.append(Line(_decode(self._pending)))
+            self._pending = b""
+        return lines
+
+    def _scan(self, buf: bytes) -> list[Line]:
+        start, lines = 0, []
+        while (end := buf.find(b"\n", start)) >= 0:
+            raw = buf[start:end + 1]
             report = _REPORT.search(raw)
             if report is not None:
                 # What came before the report is the start of a line that goes on after it.
                 lines.append(Line(_decode(report.group()), report.group("chatter") is not None))
-                self._pending = raw[:report.start()] + rest
+                buf, start = raw[:report.start()] + buf[end + 1:], 0
             else:
                 lines.append(Line(_decode(raw), _is_chatter(raw)))
-                self._pending = rest
-        if len(self._pending) > MAX_LINE:
-            lines.append(Line(_decode(self._pending)))
-            self._pending = b""
+                start = end + 1
+        self._pending = buf[start:]
         return lines
 
     def close(self) -> list[Line]:
