@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 
 from ..runtime._env import detect
+from ._cache import cache_help, use_compilation_cache
 from ._demo_table import REPORT_NAME, Report, exit_code, print_report, read_report
 from ._procs import ConsoleSink, Stream
 
@@ -46,6 +47,7 @@ def demo_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=900.0, metavar="S",
                         help="stop the run after S seconds (default 900)")
     parser.add_argument("--plain", action="store_true", help="plain text even if `rich` is installed")
+    parser.add_argument("--no-cache", action="store_true", help=cache_help())
     return parser
 
 
@@ -102,13 +104,14 @@ def _forward(ns: argparse.Namespace) -> list[str]:
     """The arguments of every launched process."""
     args = ["--particles", str(ns.particles), "--matrix", str(ns.matrix), "--grid", str(ns.grid), "--seed",
             str(ns.seed), "--cpu-devices", str(ns.cpu_devices), "--out", ns.out]
-    return [*args, "--plain"] if ns.plain else args
+    return args + [flag for flag, on in (("--plain", ns.plain), ("--no-cache", ns.no_cache)) if on]
 
 
 def run_cli(argv: Sequence[str]) -> int:
     """``shardax demo ...``: returns 0 if every capability ran and passed its check."""
     parser = demo_parser()
     ns = parser.parse_args(list(argv))
+    use_compilation_cache(not ns.no_cache)  # here and, through the environment, in the launched processes
     launched = detect()
     if launched.source != "single":
         # Already one process of a run: the world is the launcher's (--processes does not apply).

@@ -24,16 +24,19 @@ def _say(text: str) -> None:
 
 def run_demo(ns: argparse.Namespace, *, print_table: bool) -> int:
     """Run every stage on this process with the sizes of ``ns`` (``particles``, ``matrix``, ``grid``, ``seed``,
-    ``cpu_devices``, ``out``, ``plain``).
+    ``cpu_devices``, ``out``, ``plain``, ``no_cache``).
 
     Returns:
         On process 0: 0 if every check passed, else 1. On the other processes: 0 (process 0 holds the verdict).
     """
     from .._errors import DistributedSetupError
     from ..runtime import initialize
+    from ._cache import use_compilation_cache
     from ._demo_plots import write_plots
-    from ._demo_stages import STAGES, Context, Sizes
+    from ._demo_stages import COMPILES, STAGES, Context, Sizes
+    from ._progress import watch_compiles
 
+    use_compilation_cache(not getattr(ns, "no_cache", False))
     try:
         world = initialize(cpu_devices=ns.cpu_devices)
     except DistributedSetupError as err:
@@ -51,9 +54,12 @@ def run_demo(ns: argparse.Namespace, *, print_table: bool) -> int:
     report = Report(where, ())
     for index, (name, stage) in enumerate(STAGES, 1):
         if lead:
-            _say(f"[{index}/{len(STAGES)}] {name} ...")
+            compiles = COMPILES.get(name)
+            doing = f" compiling {compiles} for {world.device_count} device(s) (first run only)" if compiles else ""
+            _say(f"[{index}/{len(STAGES)}] {name} ...{doing}")
         try:
-            outcome = stage(ctx)
+            with watch_compiles() as count:
+                outcome = stage(ctx)
         except Exception as err:  # a stage that raises is a failed row; the demo goes on to the next one
             row = Row(name, "-", math.nan, math.nan, "-", False, (f"{type(err).__name__}: {err}".splitlines()[0],))
         else:
@@ -61,7 +67,8 @@ def run_demo(ns: argparse.Namespace, *, print_table: bool) -> int:
                       outcome.failures)
         report = Report(where, (*report.rows, row))
         if lead:
-            timing = "" if math.isnan(row.first_s) else f": first call {row.first_s:.2f} s, warm {row.warm_s:.3f} s"
+            timing = "" if math.isnan(row.first_s) else \
+                f": first call {row.first_s:.2f} s ({count.describe()}), warm {row.warm_s:.3f} s"
             _say(f"      {'PASS' if row.ok else 'FAIL'}{timing}" + "".join(f"\n      {f}" for f in row.failures))
             write_report(report_path, report)
     if not lead:
@@ -84,6 +91,7 @@ def body_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cpu-devices", type=int, default=None)
     parser.add_argument("--out", required=True)
     parser.add_argument("--plain", action="store_true")
+    parser.add_argument("--no-cache", action="store_true")
     return parser
 
 

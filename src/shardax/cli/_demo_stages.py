@@ -346,7 +346,7 @@ def power_stage(ctx: Context) -> Outcome:
     if not ctx.lead:
         return Outcome(scale, *times, reference)
     want_k, want_pk, want_modes = ref.power_spectrum(delta, box, bin_edges(POWER_BINS, shape, box))
-    ctx.plot_data["power"] = (k, pk, want_pk, box**3 / ctx.sizes.particles)
+    ctx.plot_data["power"] = (k, pk, want_pk, box**3 / ctx.sizes.particles, n)
     want_rho = ref.cic_paint(ctx.pos, np.ones(len(ctx.pos)), shape, box)
     peak = float(np.max(want_pk)) or 1.0
     return Outcome(scale, *times, reference, _failures(
@@ -356,6 +356,11 @@ def power_stage(ctx: Context) -> Outcome:
         ref.close("k per bin", k, want_k, dtype=np.float32),
         ref.close("P(k) / max P", pk / peak, want_pk / peak, kind="fft", dtype=np.float32)))
 
+
+# What each stage's first call compiles (shown while it runs).
+COMPILES = {"zsort": "the z-order sort", "knn density": "k nearest neighbours",
+            "fof + catalogue": "friends-of-friends", "potrs": "the Cholesky solve", "syevd": "the eigensolver",
+            "fftn": "the FFT", "paint + power spectrum": "CIC paint and the power spectrum"}
 
 STAGES: tuple[tuple[str, Callable[[Context], Outcome]], ...] = (
     ("runtime + collectives", runtime_and_collectives),

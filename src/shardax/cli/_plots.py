@@ -19,25 +19,28 @@ def pyplot() -> Any:
 
 
 def _plain_number(value: float, _: Any = None) -> str:
-    if value == 0:
-        return "0"
-    exponent = math.floor(math.log10(abs(value)))
-    if -3 <= exponent <= 4:
+    return "0" if value == 0 else f"{value:g}"
+
+
+def _power_of_ten(value: float, _: Any = None) -> str:
+    if value <= 0:
         return f"{value:g}"
+    exponent = math.floor(math.log10(value) + 1e-9)
     mantissa = value / 10**exponent
-    lead = f"{mantissa:.0f}\\times" if abs(mantissa - 1) > 1e-6 else ""
+    lead = "" if abs(mantissa - 1) < 1e-6 else f"{mantissa:.0f}\\times"
     return f"${lead}10^{{{exponent}}}$"
 
 
 def log_axis(axis: Any, lo: float, hi: float) -> None:
-    """Major ticks at 1-2-5 of each decade (range under 2.5 decades) or at the decades, labelled without
-    overlap (plain numbers from 0.001 to 99999, else powers of ten); minor ticks unlabelled."""
+    """Major ticks at 1-2-5 of each decade (range under 2.5 decades) or at the decades, labelled alike without
+    overlap: plain numbers when the range lies within [0.01, 1e5), else powers of ten; minor ticks unlabelled."""
     import matplotlib.ticker as ticker
 
     decades = math.log10(max(hi, lo * 1.0001) / lo) if lo > 0 else 3.0
     subs = (1.0, 2.0, 5.0) if decades < 2.5 else (1.0,)
     axis.set_major_locator(ticker.LogLocator(base=10, subs=subs, numticks=12))
-    axis.set_major_formatter(ticker.FuncFormatter(_plain_number))
+    plain = lo >= 0.01 and hi < 1e5
+    axis.set_major_formatter(ticker.FuncFormatter(_plain_number if plain else _power_of_ten))
     axis.set_minor_locator(ticker.LogLocator(base=10, subs=np.arange(2, 10) * 1.0, numticks=12))
     axis.set_minor_formatter(ticker.NullFormatter())
 

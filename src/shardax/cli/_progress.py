@@ -7,11 +7,12 @@ output to a file or a pipe, ``--plain``) one line when it starts and one when it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -80,6 +81,16 @@ class _Watch:
 _WATCH = _Watch()
 
 
+@contextlib.contextmanager
+def watch_compiles() -> Iterator[CompileCount]:
+    """Count the programs JAX compiles (and loads from the persistent cache) inside the ``with`` block."""
+    count = _WATCH.start()
+    try:
+        yield count
+    finally:
+        _WATCH.stop(count)
+
+
 def _rich_console() -> Any:
     try:
         from rich.console import Console
@@ -112,9 +123,8 @@ class Progress:
         """Run step ``name`` (``doing``: what it does, shown while it runs) and record its time and compiles."""
         self.index += 1
         head = f"[{self.index}/{self.total}] {doing or name}"
-        count = _WATCH.start()
         start = time.perf_counter()
-        try:
+        with watch_compiles() as count:
             if self._console is not None:
                 with self._console.status(head) as status:
                     stop = threading.Event()
@@ -128,8 +138,6 @@ class Progress:
             else:
                 self.say(f"{head} ...")
                 out = fn()
-        finally:
-            _WATCH.stop(count)
         seconds = time.perf_counter() - start
         self.times[name], self.compiles[name] = seconds, count
         detail = f" ({count.describe()})" if count.compiled or count.cached else ""
