@@ -41,7 +41,7 @@ def log_axis(axis: Any, lo: float, hi: float) -> None:
     axis.set_major_locator(ticker.LogLocator(base=10, subs=subs, numticks=12))
     plain = lo >= 0.01 and hi < 1e5
     axis.set_major_formatter(ticker.FuncFormatter(_plain_number if plain else _power_of_ten))
-    axis.set_minor_locator(ticker.LogLocator(base=10, subs=np.arange(2, 10) * 1.0, numticks=12))
+    axis.set_minor_locator(ticker.LogLocator(base=10, subs=tuple(float(m) for m in range(2, 10)), numticks=12))
     axis.set_minor_formatter(ticker.NullFormatter())
 
 
