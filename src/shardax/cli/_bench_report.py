@@ -193,9 +193,19 @@ def _time_vs_devices(ax: Any, kernel: str, rows: list[Row]) -> None:
     size = KERNELS[kernel].size_format.format(rows[0].size)
     ax.set_title(f"{kernel}, {size}")
     ax.set_xlabel("CPU devices")
-    ax.set_ylabel("seconds")
+    ax.set_ylabel("seconds per call (median, warm)")
     ax.set_yscale("log")
+    _readable_y(ax)
     ax.legend(fontsize=7)
+
+
+def _readable_y(ax: Any) -> None:
+    """1-2-5 ticks on the log time axis, labelled without overlap, minor ticks unlabelled."""
+    from ._plots import log_axis
+
+    lo, hi = ax.get_ylim()
+    log_axis(ax.yaxis, lo, hi)
+    ax.set_ylim(lo, hi)
 
 
 def _decorate(ax: Any, kernel: str, xlabel: str) -> None:
@@ -203,5 +213,6 @@ def _decorate(ax: Any, kernel: str, xlabel: str) -> None:
     ax.set_yscale("log")
     ax.set_title(kernel)
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("seconds")
+    ax.set_ylabel("seconds per call (median, warm)")
+    _readable_y(ax)
     ax.legend(fontsize=7)
