@@ -17,6 +17,7 @@ from . import particles as particles
 from . import runtime as runtime
 from . import spatial as spatial
 from . import testing as testing
+from ._capacity import retry_capacity as retry_capacity
 from ._errors import CapacityError as CapacityError
 from ._errors import DistributedSetupError as DistributedSetupError
 from ._errors import ProgramMismatchError as ProgramMismatchError
@@ -38,5 +39,5 @@ from .runtime import world as world
 __all__ = [
     "ALL", "CapacityError", "DistributedSetupError", "ProgramMismatchError", "RankInfo", "ShardaxError", "World",
     "__version__", "comm", "device_grid", "distributed", "fft", "fields", "flat_mesh", "grid_mesh", "host_replicate",
-    "initialize", "io", "linalg", "nbody", "particles", "rank_info", "smap", "spatial", "testing", "world",
+    "initialize", "io", "linalg", "nbody", "particles", "rank_info", "retry_capacity", "smap", "spatial", "testing", "world",
 ]
