@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from ..runtime._env import detect
+from ._cache import cache_help, use_compilation_cache
 from ._nbody_progress import ProgressPrinter, ProgressSink
 
 DEFAULT_PROCESSES = 2
@@ -60,6 +61,7 @@ def nbody_parser() -> argparse.ArgumentParser:
     run.add_argument("--min-members", type=int, default=20, metavar="K", help="smallest halo (default 20)")
     run.add_argument("--out", default="nbody_out", metavar="DIR", help="output directory (default nbody_out)")
     run.add_argument("--no-plots", action="store_true", help="write no PNG plots")
+    run.add_argument("--no-cache", action="store_true", help=cache_help())
     run.add_argument("--plain", action="store_true", help="plain progress lines even if `rich` is installed")
     run.add_argument("--timeout", type=float, default=1800.0, metavar="S",
                      help="stop the run after S seconds (default 1800)")
@@ -109,7 +111,8 @@ def _forward(ns: argparse.Namespace) -> list[str]:
         value = getattr(ns, flag)
         if value is not None:
             args += [f"--{flag.replace('_', '-')}", repr(value)]
-    return args + [flag for flag, on in (("--no-plots", ns.no_plots), ("--plain", True)) if on]
+    return args + [flag for flag, on in (("--no-plots", ns.no_plots), ("--no-cache", ns.no_cache), ("--plain", True))
+                   if on]
 
 
 def run_cli(argv: Sequence[str]) -> int:
@@ -120,15 +123,17 @@ def run_cli(argv: Sequence[str]) -> int:
     if launched.source != "single":
         # One process of a run that a launcher started: the world is the launcher's (--processes does not apply).
         check_options(parser, ns, None)
-        return _run_here(ns, ProgressPrinter(plain=True), cpu_devices=None)
+        use_compilation_cache(not ns.no_cache)
+        return _run_here(ns, cpu_devices=None)
     processes = ns.processes or DEFAULT_PROCESSES
     ns.cpu_devices = ns.cpu_devices or DEFAULT_CPU_DEVICES
     check_options(parser, ns, processes * ns.cpu_devices)
-    printer = ProgressPrinter(plain=ns.plain)
+    use_compilation_cache(not ns.no_cache)
     if processes == 1:
-        return _run_here(ns, printer, cpu_devices=ns.cpu_devices)
+        return _run_here(ns, cpu_devices=ns.cpu_devices)
     from ._launch import launch_job
 
+    printer = ProgressPrinter(plain=ns.plain)
     printer.line(f"shardax nbody: starting {processes} processes x {ns.cpu_devices} CPU devices")
     sink = ProgressSink(printer)
     result = launch_job(["-m", "shardax.cli", "nbody", *_forward(ns)], num_processes=processes,
@@ -137,18 +142,16 @@ def run_cli(argv: Sequence[str]) -> int:
     return result.returncode
 
 
-def _run_here(ns: argparse.Namespace, printer: ProgressPrinter, *, cpu_devices: int | None) -> int:
+def _run_here(ns: argparse.Namespace, *, cpu_devices: int | None) -> int:
     from ..runtime import initialize
     from ._nbody_job import options_from_namespace, run_job
 
     try:
         initialize(cpu_devices=cpu_devices)
-        run_job(options_from_namespace(ns), emit=printer.line)
+        run_job(options_from_namespace(ns), plain=ns.plain)
     except (ValueError, OSError) as err:
-        printer.close()
         sys.stderr.write(f"shardax nbody: {err}\n")
         return 1
-    printer.close()
     return 0
 
 

@@ -99,39 +99,12 @@ def read_power_csv(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     return {name: data[:, i] for i, name in enumerate(names)}
 
 
-def members(rows: dict[str, np.ndarray], labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(member IDs, offsets)``: the IDs of each group's members (ascending) in the order of ``labels``, and where
-    each group starts in them."""
-    valid = rows["labels"] >= 0
-    ids, of = rows["ids"][valid], rows["labels"][valid]
-    order = np.lexsort((ids, of))
-    ids, of = ids[order], of[order]
-    starts = np.searchsorted(of, labels)
-    counts = np.searchsorted(of, labels, side="right") - starts
-    member_ids = np.concatenate([ids[s:s + c] for s, c in zip(starts, counts, strict=True)]) if len(labels) \
-        else np.zeros(0, ids.dtype)
-    return member_ids, np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64) if len(labels) \
-        else np.zeros(0, np.int64)
+def write_halos(path: str, result: Any, part: Any, options: Any, a: float) -> list[str]:
+    """Write the FoF groups as a Gadget-4 group catalogue with ``sx.io.write_fof_table`` (collective). Returns the
+    files written."""
+    from ..io import write_fof_table
 
-
-def write_halos(path: str, catalogue: dict[str, np.ndarray], rows: dict[str, np.ndarray], options: Any, cosmo: Any,
-                a: float, mass: float) -> list[str]:
-    """Write the FoF catalogue (collective: every process calls it; process 0 writes). Returns the files written.
-
-    Groups in label order (their smallest member ID), members by ascending ID; masses in 1e10 Msun/h, positions in
-    Mpc/h, velocities (mass-weighted mean peculiar velocity) in km/s.
-    """
-    from .. import io as sxio
-
-    member_ids, offsets = members(rows, catalogue["label"])
-    tree = {
-        "GroupLen": catalogue["count"].astype(np.int32),
-        "GroupMass": (catalogue["count"] * (mass / MASS_UNIT)).astype(np.float32),
-        "GroupPos": catalogue["com"].astype(np.float32),
-        "GroupVel": catalogue["vel"].astype(np.float32),
-        "GroupRadius": catalogue["radius"].astype(np.float32),
-        "GroupFirstID": catalogue["label"].astype(np.int64),
-        "GroupOffset": offsets,
-        "IDs": member_ids.astype(np.uint64),
-    }
-    return sxio.write(path, tree)
+    parameters = {**UNITS, "FOF_LinkingLength": options.linking_length, "FOF_GroupMinLen": options.min_members,
+                  "FOF_LinkingLength_Mpc_h": options.linking_length * options.box / options.particles}
+    return write_fof_table(path, result, part, box=options.box, redshift=1.0 / a - 1.0, time=a,
+                           parameters=parameters)

@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 import math
 import os
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -20,6 +19,7 @@ from jax.sharding import Mesh
 
 from ._nbody_files import (
     HALO_FILE,
+    MASS_UNIT,
     POWER_FILE,
     SNAPSHOT_FILE,
     particle_mass,
@@ -27,7 +27,7 @@ from ._nbody_files import (
     write_power_csv,
     write_snapshot_file,
 )
-from ._nbody_progress import Stages
+from ._progress import Progress
 
 # The cosmology options of the command, by field of sx.nbody.Cosmology.
 COSMOLOGY_FIELDS = ("omega_c", "omega_b", "h", "n_s", "sigma8")
@@ -82,25 +82,16 @@ class JobResult(NamedTuple):
     compile_times: dict[str, float]
 
 
-class _Rows(NamedTuple):
-    """The per-particle columns gathered to the host (``sx.particles.squeeze`` takes any pytree with pos and num)."""
-
-    pos: Any
-    num: Any
-    vel: Any
-    ids: Any
-    labels: Any
-
-
-def run_job(options: NbodyOptions, *, emit: Callable[[str], None] | None = None, mesh: Mesh | None = None
+def run_job(options: NbodyOptions, *, mesh: Mesh | None = None, show: bool = True, plain: bool = False
             ) -> JobResult:
     """Run the ``shardax nbody`` job on every process of the run (collective) and write its files into
     ``options.out``.
 
     Args:
         options: what to run.
-        emit: where process 0's progress lines go (None: nowhere).
         mesh: the devices to run on (default: ``sx.flat_mesh()``, every device of every process).
+        show: process 0 prints its steps and a summary on standard output.
+        plain: plain step lines even on a terminal (else a rich spinner there).
 
     Returns:
         A :class:`JobResult`.
@@ -114,16 +105,14 @@ def run_job(options: NbodyOptions, *, emit: Callable[[str], None] | None = None,
 
     mesh = mesh if mesh is not None else flat_mesh()
     me = jax.process_index()
-    show = emit if me == 0 else None
-    stages = Stages(6 if options.plots else 5, show)
+    steps = Progress(5 if options.plots else 4, show=show and me == 0, plain=plain)
     cosmo = nbody.Cosmology(**dict(options.cosmology))
     n, box, cells = options.particles, options.box, options.particles * options.mesh_factor
     a_start = 1.0 / (1.0 + options.z_start)
-    if show:
-        show(f"shardax nbody: {n}^3 particles in a {box:g} Mpc/h box, {cells}^3 PM mesh, {options.steps} "
-             f"kick-drift-kick steps from z = {options.z_start:g} to 0 ({_order_name(options.order)}), seed "
-             f"{options.seed}; {jax.process_count()} process(es) x {jax.local_device_count()} "
-             f"{jax.devices()[0].platform.upper()} device(s), {mesh.devices.size} in the mesh")
+    steps.say(f"shardax nbody: {n}^3 particles in a {box:g} Mpc/h box, {cells}^3 PM mesh, {options.steps} "
+              f"kick-drift-kick steps from z = {options.z_start:g} to 0 ({_order_name(options.order)}), seed "
+              f"{options.seed}; {jax.process_count()} process(es) x {jax.local_device_count()} "
+              f"{jax.devices()[0].platform.upper()} device(s), {mesh.devices.size} in the mesh")
     if me == 0:
         os.makedirs(options.out, exist_ok=True)
 
@@ -132,57 +121,67 @@ def run_job(options: NbodyOptions, *, emit: Callable[[str], None] | None = None,
                              a_end=1.0, steps=options.steps, seed=options.seed, order=options.order, mesh=mesh)
         return jax.block_until_ready(sim)
 
-    sim = stages.run("particle-mesh N-body: initial conditions and steps", simulate)
+    sim = steps.run("particle-mesh N-body", simulate,
+                    doing=f"particle-mesh N-body: initial conditions and {options.steps} steps on "
+                          f"{mesh.devices.size} device(s) (compiles on the first run)")
     a_end = float(np.asarray(sim.a)[-1]) if np.size(sim.a) else 1.0
     mass = particle_mass(cosmo, box, n)
-    ll = options.linking_length * box / n
+    part = _with_mass(sim.particles, mass / MASS_UNIT)
 
-    def halos() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    def halos() -> tuple[Any, dict[str, np.ndarray]]:
         from ..spatial import fof
 
-        res = fof.smap(mesh)(sim.particles, ll, box=box, min_members=options.min_members)
-        return res.catalogue.to_numpy(), _gather(sim.particles, res.labels)
+        res = fof.smap(mesh)(part, options.linking_length * box / n, box=box, min_members=options.min_members)
+        return res, res.catalogue.to_numpy()
 
-    catalogue, rows = stages.run("friends-of-friends halos and gathering the particles", halos)
-    power = stages.run("density field and power spectrum", lambda: _power(nbody, cosmo, sim.particles, options,
-                                                                            mesh, a_end))
+    fof_result, catalogue = steps.run("friends-of-friends", halos,
+                                      doing=f"friends-of-friends halos on {mesh.devices.size} device(s)")
+    power = steps.run("power spectrum", lambda: _power(nbody, cosmo, sim.particles, options, mesh, a_end),
+                      doing="density field and power spectrum")
     files: list[str] = []
 
-    def write() -> None:
+    def write() -> dict[str, np.ndarray]:
+        rows = gather(part)
         if me == 0:
-            out = options.out
-            files.append(write_snapshot_file(os.path.join(out, SNAPSHOT_FILE), rows, options, cosmo, a_end))
-            files.append(write_power_csv(os.path.join(out, POWER_FILE), *power))
-        files.extend(write_halos(os.path.join(options.out, HALO_FILE), catalogue, rows, options, cosmo, a_end,
-                                 mass))
+            files.append(write_snapshot_file(os.path.join(options.out, SNAPSHOT_FILE), rows, options, cosmo, a_end))
+            files.append(write_power_csv(os.path.join(options.out, POWER_FILE), *power))
+        files.extend(write_halos(os.path.join(options.out, HALO_FILE), fof_result, part, options, a_end))
+        return rows
 
-    stages.run("write snapshot, power spectrum and halo catalogue", write)
+    rows = steps.run("write files", write, doing="gather particles; write snapshot, power spectrum and halos")
     if options.plots:
         from ._nbody_plots import write_plots
 
         notes: list[str] = []
-        plotted = stages.run("plots", lambda: write_plots(options, cosmo, rows["pos"], power, catalogue["count"] * mass,
-                                                           mass, nbody.linear_power, notes) if me == 0 else [])
+        halo_mass = catalogue["count"] * mass
+        plotted = steps.run("plots", lambda: write_plots(options, cosmo, rows["pos"], power, halo_mass, mass,
+                                                           nbody.linear_power, notes) if me == 0 else [])
         files.extend(plotted)
-        if show:
-            for note in notes:
-                show(note)
-    if show:
-        _summary(show, options, cosmo, mass, power, catalogue, files, stages)
-    return JobResult(files if me == 0 else [], stages.times, stages.compile_times)
+        for note in notes:
+            steps.say(note)
+    _summary(steps, options, cosmo, mass, power, catalogue, files)
+    return JobResult(files if me == 0 else [], steps.times, {k: c.compile_s for k, c in steps.compiles.items()})
 
 
 def _order_name(order: int) -> str:
     return {1: "Zel'dovich (1LPT) initial conditions", 2: "2LPT initial conditions"}[order]
 
 
-def _gather(part: Any, labels: jax.Array) -> dict[str, np.ndarray]:
-    """Positions, velocities, IDs and FoF labels of every particle on every process, sorted by ID."""
+def _with_mass(part: Any, mass: float) -> Any:
+    """``part`` with every particle's ``mass`` set (sharded like its positions)."""
+    import jax.numpy as jnp
+
+    masses = jax.jit(lambda pos: pos[..., 0] * 0 + jnp.asarray(mass, pos.dtype))(part.pos)
+    return dataclasses.replace(part, mass=masses)
+
+
+def gather(part: Any) -> dict[str, np.ndarray]:
+    """Positions, velocities and IDs of every particle, on every process (collective), sorted by ID."""
     from ..particles import squeeze
 
-    rows = squeeze(_Rows(pos=part.pos, num=part.num, vel=part.vel, ids=part.ids, labels=labels))
+    rows = squeeze(part)
     order = np.argsort(rows["ids"], kind="stable")
-    return {name: column[order] for name, column in rows.items()}
+    return {name: rows[name][order] for name in ("pos", "vel", "ids")}
 
 
 def _power(nbody: Any, cosmo: Any, part: Any, options: NbodyOptions, mesh: Mesh, a_end: float
@@ -191,8 +190,17 @@ def _power(nbody: Any, cosmo: Any, part: Any, options: NbodyOptions, mesh: Mesh,
     bins of width the fundamental wavenumber up to the mesh's Nyquist wavenumber."""
     from ..fields import paint, power_spectrum
 
+    from .. import CapacityError
+
     cells = options.particles * options.mesh_factor
-    rho = paint(part, (cells, cells, cells), box=options.box, mesh=mesh)
+    # Clustered particles: a device may receive more than it holds; start with half as many again, redo once with
+    # what was needed.
+    capacity = int(part.pos.shape[1]) * 3 // 2
+    try:
+        rho = paint(part, (cells, cells, cells), box=options.box, mesh=mesh, capacity=capacity)
+    except CapacityError as err:
+        needed = int(err.needed or 2 * capacity)
+        rho = paint(part, (cells, cells, cells), box=options.box, mesh=mesh, capacity=needed + needed // 8)
     delta = rho * (cells**3 / options.particles**3) - 1.0
     k, pk, modes = power_spectrum(delta, box=options.box, bins=cells // 2 - 1)
     k = np.asarray(k, np.float64)
@@ -200,14 +208,14 @@ def _power(nbody: Any, cosmo: Any, part: Any, options: NbodyOptions, mesh: Mesh,
     return k, np.asarray(pk, np.float64), np.asarray(modes, np.int64), linear
 
 
-def _summary(show: Callable[[str], None], options: NbodyOptions, cosmo: Any, mass: float,
-             power: tuple[np.ndarray, ...], catalogue: dict[str, np.ndarray], files: list[str], stages: Stages
-             ) -> None:
+def _summary(steps: Progress, options: NbodyOptions, cosmo: Any, mass: float, power: tuple[np.ndarray, ...],
+             catalogue: dict[str, np.ndarray], files: list[str]) -> None:
     k, pk, modes, linear = power
     large = k < 0.1
     ratio = float(np.sum(modes[large] * pk[large]) / np.sum(modes[large] * linear[large])) if large.any() else math.nan
     counts = catalogue["count"]
-    total, compiling = sum(stages.times.values()), sum(stages.compile_times.values())
+    total = sum(steps.times.values())
+    compiling = sum(count.compile_s for count in steps.compiles.values())
     lines = [
         "",
         f"cosmology         {_cosmology_text(cosmo)}",
@@ -217,10 +225,9 @@ def _summary(show: Callable[[str], None], options: NbodyOptions, cosmo: Any, mas
         f"{int(counts.sum())} particles ({100 * counts.sum() / options.particles**3:.1f}%)"
         + (f"; largest {counts.max() * mass:.3g} Msun/h ({counts.max()} particles)" if len(counts) else ""),
         f"files             {', '.join(files)}",
-        f"time              {total:.1f} s, of which {compiling:.1f} s compiling (first calls in this process)",
+        f"time              {total:.1f} s, of which XLA compiled for {compiling:.1f} s",
     ]
-    for line in lines:
-        show(line)
+    steps.say("\n".join(lines))
 
 
 def _cosmology_text(cosmo: Any) -> str:

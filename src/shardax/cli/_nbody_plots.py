@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ._nbody_files import RHO_CRIT, omega_m
+from ._plots import log_axis, pyplot
 
 POWER_PLOT = "power_spectrum.png"
 SLICE_PLOT = "density_slice.png"
@@ -18,46 +19,9 @@ MASS_FUNCTION_PLOT = "halo_mass_function.png"
 DPI = 150
 
 
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def log_ticks(axis: Any, low: float, high: float) -> None:
-    """Major ticks at 1, 2, 5 x 10^k within ``[low, high]`` labelled as plain numbers (``0.05``, ``200``; powers of
-    ten as ``10^k`` outside ``[1e-3, 1e4]``), unlabelled minor ticks: readable over one decade or ten."""
-    import matplotlib.ticker as ticker
-
-    decades = math.log10(high / low)
-    steps = (1, 2, 5) if decades < 3 else (1,) if decades > 6 else (1, 3)
-    ticks = [m * 10.0**e for e in range(math.floor(math.log10(low)) - 1, math.ceil(math.log10(high)) + 1)
-             for m in steps if low <= m * 10.0**e <= high]
-    if len(ticks) < 2:
-        return
-    axis.set_major_locator(ticker.FixedLocator(ticks))
-    axis.set_major_formatter(ticker.FuncFormatter(_tick_label))
-    axis.set_minor_formatter(ticker.NullFormatter())
-
-
-def _tick_label(value: float, _: Any = None) -> str:
-    if value <= 0:
-        return ""
-    exponent = math.floor(math.log10(value) + 1e-9)
-    mantissa = value / 10.0**exponent
-    if -3 <= exponent <= 4:
-        return f"{value:g}"
-    if abs(mantissa - 1) < 1e-6:
-        return f"$10^{{{exponent}}}$"
-    return f"${mantissa:g}\\times10^{{{exponent}}}$"
-
-
 def power_plot(path: str, power: tuple[np.ndarray, ...], box: float, particles: int, z: float) -> str:
     """``P(k)`` of the final particles with the linear theory and the shot-noise level, and their ratio below."""
-    plt = _pyplot()
+    plt = pyplot()
     k, pk, _, linear = power
     k_nyq = math.pi * particles / box
     fig, (ax, ratio) = plt.subplots(2, 1, figsize=(5.5, 5.2), sharex=True, gridspec_kw={"height_ratios": (3, 1.3)})
@@ -76,9 +40,9 @@ def power_plot(path: str, power: tuple[np.ndarray, ...], box: float, particles: 
     ratio.axhline(1.0, color="black", lw=0.8)
     ratio.set_ylabel("$P / P_\\mathrm{lin}$")
     ratio.set_xlabel("$k$  [$h/\\mathrm{Mpc}$]")
-    log_ticks(ratio.xaxis, float(k.min()) * 0.9, float(k.max()) * 1.1)
+    log_axis(ratio.xaxis, float(k.min()) * 0.9, float(k.max()) * 1.1)
     positive = np.concatenate([pk[shown], linear[linear > 0]])
-    log_ticks(ax.yaxis, float(positive.min()) * 0.7, float(positive.max()) * 1.4)
+    log_axis(ax.yaxis, float(positive.min()) * 0.7, float(positive.max()) * 1.4)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
@@ -88,7 +52,7 @@ def power_plot(path: str, power: tuple[np.ndarray, ...], box: float, particles: 
 def slice_plot(path: str, pos: np.ndarray, box: float, cells: int) -> str:
     """Overdensity ``1 + delta`` of the particles in the slab ``0 <= z < box/8`` (at least two cells), counted on the
     mesh's ``cells x cells`` pixels, log colour scale."""
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.colors import LogNorm
 
     depth = max(box / 8, 2 * box / cells)
@@ -102,7 +66,7 @@ def slice_plot(path: str, pos: np.ndarray, box: float, cells: int) -> str:
                       norm=LogNorm(vmin=max(floor, 0.05), vmax=max(density.max(), 10 * floor)),
                       interpolation="nearest")
     bar = fig.colorbar(image, ax=ax, label="$1 + \\delta$ (projected)")
-    bar.ax.yaxis.set_major_formatter(_formatter())
+    log_axis(bar.ax.yaxis, image.norm.vmin, image.norm.vmax)
     ax.set_xlabel("$x$  [Mpc/$h$]")
     ax.set_ylabel("$y$  [Mpc/$h$]")
     ax.set_title(f"Density at z = 0, slab $0 \\leq z < {depth:g}$ Mpc/$h$", fontsize=10)
@@ -110,12 +74,6 @@ def slice_plot(path: str, pos: np.ndarray, box: float, cells: int) -> str:
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
-
-
-def _formatter() -> Any:
-    import matplotlib.ticker as ticker
-
-    return ticker.FuncFormatter(_tick_label)
 
 
 def sheth_tormen(cosmo: Any, mass: np.ndarray, linear_power: Any) -> np.ndarray:
@@ -137,34 +95,50 @@ def sheth_tormen(cosmo: Any, mass: np.ndarray, linear_power: Any) -> np.ndarray:
 
 
 def mass_function_plot(path: str, halo_mass: np.ndarray, particle_mass: float, box: float, min_members: int,
-                       reference: tuple[np.ndarray, np.ndarray] | None) -> str:
+                       b: float, reference: tuple[np.ndarray, np.ndarray] | None) -> str:
     """``dn / dlog10 M`` of the FoF halos with Poisson errors, the Sheth-Tormen curve, and the mass in particles on
     the top axis."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 4.4))
     volume = box**3
     low = min_members * particle_mass
     high = max(float(halo_mass.max()) if len(halo_mass) else low, 10 * low)
+    shown: list[np.ndarray] = []
     if len(halo_mass):
-        edges = np.logspace(np.log10(low) - 1e-3, np.log10(halo_mass.max()) + 1e-3,
-                            max(3, min(16, int(4 * np.log10(halo_mass.max() / low)) + 2)))
+        bins = int(np.clip(np.ceil(np.log10(halo_mass.max() / low) / 0.15), 3, 16))
+        edges = np.logspace(np.log10(low) - 1e-3, np.log10(halo_mass.max()) + 1e-3, bins + 1)
         counts, _ = np.histogram(halo_mass, edges)
         widths = np.diff(np.log10(edges))
         centres = np.sqrt(edges[1:] * edges[:-1])
         keep = counts > 0
-        ax.errorbar(centres[keep], (counts / widths / volume)[keep], yerr=(np.sqrt(counts) / widths / volume)[keep],
-                    fmt="o", ms=4, capsize=2, label=f"FoF b = 0.2, {len(halo_mass)} halos")
+        density = (counts / widths / volume)[keep]
+        error = (np.sqrt(counts) / widths / volume)[keep]
+        # A bin of one halo has a Poisson error as large as its value: its lower bar stops short of zero.
+        ax.errorbar(centres[keep], density, yerr=(np.minimum(error, 0.8 * density), error), fmt="o", ms=4,
+                    capsize=2, label=f"FoF b = {b:g}, {len(halo_mass)} halos")
+        shown += [0.2 * density, density + error]
     if reference is not None:
-        ax.plot(*reference, "-", color="black", lw=1.2, label="Sheth-Tormen (linear theory)")
+        mass_grid, dn = reference
+        if shown:  # the theory curve where the data are, not down to its exponential tail
+            inside = dn >= np.concatenate(shown).min() * 0.1
+            mass_grid, dn = mass_grid[inside], dn[inside]
+        ax.plot(mass_grid, dn, "-", color="black", lw=1.2, label="Sheth-Tormen (linear theory)")
+        shown.append(dn)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(low / 1.3, high * 1.3)
+    if shown:
+        values = np.concatenate(shown)
+        values = values[values > 0]
+        ax.set_ylim(values.min() / 1.5, values.max() * 1.5)
+        log_axis(ax.yaxis, values.min() / 1.5, values.max() * 1.5)
     ax.set_xlabel("$M$  [$M_\\odot/h$]")
     ax.set_ylabel("$dn / d\\log_{10} M$  [$(h/\\mathrm{Mpc})^3$]")
-    log_ticks(ax.xaxis, low / 1.3, high * 1.3)
+    log_axis(ax.xaxis, low / 1.3, high * 1.3)
     top = ax.secondary_xaxis("top", functions=(lambda m: m / particle_mass, lambda n: n * particle_mass))
     top.set_xlabel("particles", fontsize=9)
-    log_ticks(top.xaxis, low / 1.3 / particle_mass, high * 1.3 / particle_mass)
+    log_axis(top.xaxis, low / 1.3 / particle_mass, high * 1.3 / particle_mass)
+    ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=8, frameon=False)
     ax.set_title(f"Halo mass function at z = 0 (volume {box:g}$^3$ (Mpc/$h$)$^3$)", fontsize=10)
     fig.tight_layout()
@@ -177,7 +151,7 @@ def write_plots(options: Any, cosmo: Any, pos: np.ndarray, power: tuple[np.ndarr
                 particle_mass: float, linear_power: Any, notes: list[str]) -> list[str]:
     """The three plots into ``options.out``; returns their paths (none, with a note, without matplotlib)."""
     try:
-        _pyplot()
+        pyplot()
     except ImportError:
         notes.append("plots skipped: matplotlib is not installed (pip install 'shardax[plot]')")
         return []
@@ -193,5 +167,5 @@ def write_plots(options: Any, cosmo: Any, pos: np.ndarray, power: tuple[np.ndarr
         reference = None
         notes.append(f"mass function plotted without the Sheth-Tormen curve: {err}")
     paths.append(mass_function_plot(os.path.join(out, MASS_FUNCTION_PLOT), halo_mass, particle_mass, box,
-                                    options.min_members, reference))
+                                    options.min_members, options.linking_length, reference))
     return paths

@@ -1,9 +1,9 @@
-"""Progress of ``shardax nbody``: numbered stage lines with their time and compile time, printed plain or with rich.
+"""What ``shardax nbody`` shows of the processes it launches: process 0's step lines, rendered with rich on a terminal.
 
-The job prints two plain lines per stage (``[2/7] particle-mesh N-body ...`` then ``      particle-mesh N-body:
-21.4 s (compile 15.2 s)``), so that a launched process's output reads well in a log. The command that shows them
-(:class:`ProgressPrinter`) renders them with rich on a terminal: a spinner with the elapsed time while a stage runs,
-then a line with its time.
+A launched process writes to a pipe, so its steps (``shardax.cli._progress.Progress``) come as two plain lines each:
+``[2/5] friends-of-friends ...`` then ``      friends-of-friends: 21.4 s (compiled 3 programs in 15.2 s)``.
+:class:`ProgressPrinter` prints them as they are, or on a terminal with rich installed shows a spinner with the
+elapsed time while a step runs and a line with its time when it ends.
 """
 
 from __future__ import annotations
@@ -11,76 +11,13 @@ from __future__ import annotations
 import re
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
-from typing import Any, TypeVar
+from contextlib import suppress
+from typing import Any
 
 from ._procs import ConsoleSink, Stream
 
-T = TypeVar("T")
-
 _START = re.compile(r"^\[(\d+)/(\d+)\] (.*) \.\.\.$")
 _END = re.compile(r"^ +(.*): (\d+\.\d+ s.*)$")
-
-# JAX's compile events: tracing, lowering to StableHLO and XLA's compilation of one program.
-_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
-                   "/jax/core/compile/backend_compile_duration")
-
-
-class _CompileClock:
-    """Seconds JAX spent compiling in this process while :meth:`listening` (summed over threads)."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._lock = threading.Lock()
-
-    def _event(self, event: str, duration: float, **_: Any) -> None:
-        if event in _COMPILE_EVENTS:
-            with self._lock:
-                self.seconds += duration
-
-    @contextmanager
-    def listening(self) -> Iterator[None]:
-        import jax.monitoring
-
-        jax.monitoring.register_event_duration_secs_listener(self._event)
-        try:
-            yield
-        finally:
-            jax.monitoring.unregister_event_duration_listener(self._event)
-
-
-class Stages:
-    """Runs the job's named stages in order; ``emit`` (process 0's printer, or None) gets their lines.
-
-    ``times[name]`` is each stage's wall time and ``compile_times[name]`` the part of it JAX spent compiling.
-    """
-
-    def __init__(self, total: int, emit: Callable[[str], None] | None):
-        self.total, self.emit, self.index = total, emit, 0
-        self.times: dict[str, float] = {}
-        self.compile_times: dict[str, float] = {}
-        self._clock = _CompileClock()
-
-    def run(self, name: str, fn: Callable[[], T]) -> T:
-        self.index += 1
-        if self.emit:
-            self.emit(f"[{self.index}/{self.total}] {name} ...")
-        start, compiled = time.perf_counter(), self._clock.seconds
-        with self._clock.listening():
-            out = fn()
-        self.times[name] = time.perf_counter() - start
-        self.compile_times[name] = self._clock.seconds - compiled
-        if self.emit:
-            self.emit(f"      {name}: {self.times[name]:.2f} s{self._compile_note(name)}")
-        return out
-
-    def _compile_note(self, name: str) -> str:
-        seconds = self.compile_times[name]
-        if seconds < 0.05:
-            return ""
-        return f" (of which compiling {seconds:.1f} s: first call in this process)"
 
 
 class ProgressPrinter:
