@@ -18,26 +18,33 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_TRACING = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
 
 @dataclasses.dataclass
 class CompileCount:
-    """Programs compiled by XLA (and their seconds) and programs loaded from the persistent cache."""
+    """Programs XLA compiled, programs loaded from the persistent cache, and the seconds spent on both (``compile_s``)
+    and on tracing and lowering to XLA (``trace_s``)."""
 
-    compiled: int = 0
+    programs: int = 0
     compile_s: float = 0.0
     cached: int = 0
+    trace_s: float = 0.0
+
+    @property
+    def compiled(self) -> int:
+        """Programs XLA compiled (JAX's compile event also fires for those loaded from the cache)."""
+        return max(self.programs - self.cached, 0)
 
     def describe(self) -> str:
-        if not self.compiled and not self.cached:
+        if not self.programs and self.trace_s < 0.05:
             return "nothing compiled"
-        parts = []
-        if self.compiled:
-            parts.append(f"compiled {self.compiled} program{'s' * (self.compiled != 1)} in {self.compile_s:.1f} s")
+        parts = [f"compiled {self.compiled} program{'s' * (self.compiled != 1)}"]
         if self.cached:
             parts.append(f"{self.cached} from the cache")
-        return ", ".join(parts)
+        text = ", ".join(parts) + f" in {self.compile_s:.1f} s"
+        return text + (f"; tracing and lowering {self.trace_s:.1f} s" if self.trace_s >= 0.05 else "")
 
 
 class _Watch:
@@ -68,8 +75,12 @@ class _Watch:
         if event == _BACKEND_COMPILE:
             with self.lock:
                 for count in self.active:
-                    count.compiled += 1
+                    count.programs += 1
                     count.compile_s += duration_secs
+        elif event in _TRACING:
+            with self.lock:
+                for count in self.active:
+                    count.trace_s += duration_secs
 
     def _event(self, event: str, **_: Any) -> None:
         if event == _CACHE_HIT:
@@ -140,7 +151,7 @@ class Progress:
                 out = fn()
         seconds = time.perf_counter() - start
         self.times[name], self.compiles[name] = seconds, count
-        detail = f" ({count.describe()})" if count.compiled or count.cached else ""
+        detail = f" ({count.describe()})" if count.programs or count.trace_s >= 0.05 else ""
         if self._console is not None:
             self._console.print(f"[green]done[/] {head}: {seconds:.2f} s{detail}", highlight=False)
         else:
