@@ -40,10 +40,12 @@ class CompileCount:
     def describe(self) -> str:
         if not self.programs and self.trace_s < 0.05:
             return "nothing compiled"
-        parts = [f"compiled {self.compiled} program{'s' * (self.compiled != 1)}"]
+        parts = [f"compiled {self.compiled} program{'s' * (self.compiled != 1)}"] if self.compiled else []
         if self.cached:
-            parts.append(f"{self.cached} from the cache")
-        text = ", ".join(parts) + f" in {self.compile_s:.1f} s"
+            parts.append(f"loaded {self.cached} program{'s' * (self.cached != 1)} from the cache")
+        text = ", ".join(parts) + f" in {self.compile_s:.1f} s" if parts else ""
+        if not parts:
+            return f"tracing and lowering {self.trace_s:.1f} s"
         return text + (f"; tracing and lowering {self.trace_s:.1f} s" if self.trace_s >= 0.05 else "")
 
 
