@@ -26,6 +26,7 @@ from .._hostsort import sort
 from ..core._rank import AxisSpec, axes_size, resolve_axes
 from ..core._vary import vary_over, varying
 from ..runtime._backend import resolve_tuning, tuning_backend
+from . import _mpi_prim as mpi
 
 Impl = Literal["auto", "chunked", "ragged"]
 #: Rows per rank pair and round of the chunked path: one size, ``None`` for :func:`default_chunk`, or a ladder of
@@ -52,6 +53,8 @@ def _exchange_counts(send_counts: jax.Array, axes: tuple[str, ...]) -> jax.Array
     if not axes:
         return send_counts
     words = send_counts.reshape(send_counts.shape[0], -1)
+    if mpi.mpi_active(axes):
+        return mpi.alltoall(words, axes).reshape(send_counts.shape)
     return lax.all_to_all(words, axes, 0, 0, tiled=True).reshape(send_counts.shape)
 
 
@@ -173,6 +176,8 @@ def _chunked(arrays: Sequence[jax.Array], send_counts: jax.Array, recv_counts: j
         return lax.bitcast_convert_type(w.reshape(w.shape[0], *like.shape[1:]), like.dtype)
 
     def exchange_block(buf: jax.Array) -> jax.Array:
+        if axes and mpi.mpi_active(axes):
+            return mpi.alltoall(buf, axes)
         return lax.all_to_all(buf, axes, 0, 0, tiled=True) if axes else buf
 
     def gather(k: int, idx: jax.Array) -> jax.Array:
@@ -410,6 +415,8 @@ def alltoallv_many(arrays: Sequence[jax.Array], send_counts: jax.Array, capacity
         overflow = send_counts[0] + (0 if recv_at is None else recv_at[0]) > capacity
         outs = _local_copy(arrays, send_counts[0], capacity, perm, recv_at, init, target, row_maps)
         return vary_over(outs, axes), recv_counts, overflow
+    if plan is None and recv_at is None and init is None and target is None and mpi.mpi_active(axes):
+        return _mpi_packed(arrays, send_counts, capacity, axes, perm, row_maps)
     recv_counts, largest = _exchange_counts_and_max(send_counts, axes) if plan is None else plan
     if recv_at is None:
         overflow = jnp.sum(recv_counts) > capacity
@@ -432,6 +439,41 @@ def alltoallv_many(arrays: Sequence[jax.Array], send_counts: jax.Array, capacity
         outs = _chunked(arrays, send_counts, recv_counts, capacity, axes, size, chunk, perm, recv_at, init, target,
                         row_maps, largest)
     return outs, recv_counts, overflow
+
+
+def _to_bytes(a: jax.Array) -> jax.Array:
+    if a.dtype == jnp.bool_:
+        a = a.astype(jnp.uint8)
+    b = lax.bitcast_convert_type(a, jnp.uint8)
+    return b.reshape(a.shape[0], -1)
+
+
+def _from_bytes(b: jax.Array, like: jax.Array) -> jax.Array:
+    shape = (b.shape[0], *like.shape[1:])
+    if like.dtype == jnp.bool_:
+        return b.reshape(shape) != 0
+    if like.dtype.itemsize == 1:
+        return lax.bitcast_convert_type(b.reshape(shape), like.dtype)
+    return lax.bitcast_convert_type(b.reshape(*shape, like.dtype.itemsize), like.dtype)
+
+
+def _mpi_packed(arrays: Sequence[jax.Array], send_counts: jax.Array, capacity: int, axes: tuple[str, ...],
+                perm: jax.Array | None, row_maps: Sequence[Any] | None
+                ) -> tuple[list[jax.Array], jax.Array, jax.Array]:
+    """The MPI transport's ``alltoallv``: every array's rows as bytes side by side, one ``MPI_Alltoallv``."""
+    if row_maps is not None:
+        arrays = [a if fn is None else fn(a) for a, fn in zip(arrays, row_maps, strict=True)]
+    if perm is not None:
+        arrays = [jnp.take(a, perm, axis=0, mode="clip") for a in arrays]
+    columns = [_to_bytes(a) for a in arrays]
+    widths = [c.shape[1] for c in columns]
+    data, recv_counts = mpi.ragged(jnp.concatenate(columns, axis=1) if len(columns) > 1 else columns[0],
+                                   send_counts, capacity, axes)
+    outs, col = [], 0
+    for a, width in zip(arrays, widths, strict=True):
+        outs.append(_from_bytes(data[:, col:col + width], a))
+        col += width
+    return outs, recv_counts, jnp.sum(recv_counts) > capacity
 
 
 def alltoallv(x: jax.Array, send_counts: jax.Array, *, capacity: int, axis: AxisSpec = None,

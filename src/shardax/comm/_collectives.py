@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..core._rank import AxisSpec, axes_index, axes_size, resolve_axes
+from . import _mpi_prim as mpi
 
 try:  # Varying -> invariant gather: every rank provably holds the same result (out_specs P() type-checks).
     from jax._src.lax.parallel import all_gather_invariant as _all_gather
@@ -61,6 +62,8 @@ def allreduce(x: jax.Array, op: ReduceOp = "sum", *, axis: AxisSpec = None) -> j
     x = jnp.asarray(x)
     if not axes:
         return x
+    if mpi.mpi_active(axes):
+        return mpi.allreduce(x, op, axes)
     if op == "sum":
         return lax.psum(x, axes)
     if op == "max":
@@ -94,6 +97,8 @@ def allgather(x: jax.Array, *, tiled: bool = False, axis: AxisSpec = None) -> ja
         raise ValueError("allgather(tiled=True) needs x with at least one dimension; got a scalar")
     if not axes:
         return x if tiled else x[None]
+    if mpi.mpi_active(axes):
+        return mpi.allgather(x, axes, tiled=tiled)
     return _all_gather(x, axes, tiled=tiled)
 
 
@@ -125,6 +130,8 @@ def alltoall(x: jax.Array, *, axis: AxisSpec = None) -> jax.Array:
                          f"{x.shape}; reshape to ({size}, n, ...) with row d destined for rank d")
     if not axes:
         return x
+    if mpi.mpi_active(axes):
+        return mpi.alltoall(x, axes)
     return lax.all_to_all(x, axes, 0, 0, tiled=True)
 
 
@@ -147,7 +154,7 @@ def bcast(x: jax.Array, root: int = 0, *, axis: AxisSpec = None) -> jax.Array:
     if x.dtype == jnp.bool_:
         return bcast(x.astype(jnp.int32), root, axis=axes).astype(jnp.bool_)
     mine = axes_index(axes) == root
-    return lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), axes)
+    return allreduce(jnp.where(mine, x, jnp.zeros_like(x)), axis=axes)
 
 
 def gather(x: jax.Array, root: int = 0, *, axis: AxisSpec = None) -> jax.Array:
@@ -184,7 +191,7 @@ def scatter(x: jax.Array, root: int = 0, *, axis: AxisSpec = None) -> jax.Array:
     if not axes:
         return x[0]
     # Each rank sends its rows to their ranks; only the rows that came from root are kept.
-    received = lax.all_to_all(x, axes, 0, 0, tiled=True)
+    received = alltoall(x, axis=axes)
     return received[root]
 
 
@@ -274,6 +281,8 @@ def shift(x: jax.Array, offset: int = 1, *, periodic: bool = True, axis: AxisSpe
         pairs = [(s, s + offset) for s in range(size) if 0 <= s + offset < size]
     if not axes:
         return x if pairs else jnp.zeros_like(x)
+    if mpi.mpi_active(axes):
+        return mpi.permute(x, axes, pairs)
     return lax.ppermute(x, axes, pairs)
 
 
@@ -306,6 +315,8 @@ def sendrecv(x: jax.Array, pairs: Sequence[tuple[int, int]], *, axis: AxisSpec =
     x = jnp.asarray(x)
     if not axes:
         return x if (0, 0) in pairs else jnp.zeros_like(x)
+    if mpi.mpi_active(axes):
+        return mpi.permute(x, axes, pairs)
     return lax.ppermute(x, axes, pairs)
 
 
@@ -317,4 +328,4 @@ def barrier(*, axis: AxisSpec = None) -> jax.Array:
     """
     axes = resolve_axes(axis)
     token = jnp.zeros((), jnp.int32)
-    return lax.psum(token, axes) if axes else token
+    return allreduce(token, axis=axes) if axes else token

@@ -12,6 +12,8 @@ from jax._src import xla_bridge
 
 from .._errors import DistributedSetupError
 from ._env import LaunchInfo, detect
+from ._transport import choose as choose_transport
+from ._transport import set_transport, start_mpi
 from ._world import World, world
 
 _lock = threading.Lock()
@@ -59,6 +61,14 @@ def _abort_on_uncaught_exception() -> None:
     sys.excepthook = hook
 
 
+def _start_transport(num_processes: int) -> None:
+    """Choose the transport of ``sx.comm`` between processes; with MPI, start it now (``MPI_Init_thread``)."""
+    transport, reason = choose_transport(num_processes)
+    if transport == "mpi":
+        start_mpi(num_processes)
+    set_transport(transport, reason)
+
+
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, local_device_ids: int | list[int] | None = None,
                cpu_devices: int | None = None, timeout_s: int = 300) -> World:
@@ -67,7 +77,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     Sources, in order: explicit arguments; the variables ``shardax launch`` sets (``SHARDAX_*``); cluster detection
     (Slurm, Open MPI 4 and Open MPI 5/PMIx); else a single process (``jax.distributed`` is not started).
     Idempotent: a second call with compatible arguments returns the same world. On CPU it keeps cross-process
-    collectives on (gloo) so that ``psum`` and friends work between processes.
+    collectives on (gloo) so that ``psum`` and friends work between processes, and picks the transport of
+    ``sx.comm``'s collectives between processes: MPI when an MPI launcher started the run and ``mpi4py`` is
+    installed, else gloo (``SHARDAX_CPU_COLLECTIVES=gloo|mpi`` overrides; see ``docs/comm.md``).
 
     Args:
         coordinator_address: ``"host:port"`` of process 0's coordinator service.
@@ -148,6 +160,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 raise DistributedSetupError(
                     f"process {info.process_id} of {info.num_processes} could not join the run at "
                     f"{info.coordinator_address} (from {info.source}) within {timeout_s} s: {err}") from err
+        _start_transport(info.num_processes)
         _started = info
         os.environ.setdefault("SHARDAX_INITIALIZED", "1")
         if info.num_processes > 1:

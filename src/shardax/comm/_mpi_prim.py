@@ -1,0 +1,202 @@
+"""The MPI transport's JAX side: one primitive whose lowering is a host call into :mod:`shardax.comm._mpi_host`.
+
+Inside ``smap`` on a multi-process CPU run with the MPI transport (see :func:`mpi_active`), each ``sx.comm``
+collective binds :data:`mpi_collective_p` instead of a ``jax.lax`` collective. The lowering reads the concrete mesh
+of the program, fixes who sends what to whom (a :class:`~shardax.comm._mpi_host.Plan`) and emits XLA's Python
+host call with side effects, once per device. The result types follow ``jax.lax``: reductions and gathers are
+invariant over the collective's axes, permutations vary over them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import callback as jax_callback
+from jax._src import core as jax_core
+from jax._src import sharding_impls
+from jax.extend.core import Primitive
+from jax.interpreters import ad, mlir
+
+from ..core._rank import manual_axes
+from ..core._vary import vary_over
+from ..runtime._transport import cpu_collectives
+from . import _mpi_host as host
+
+mpi_collective_p = Primitive("shardax_mpi_collective")
+mpi_collective_p.multiple_results = True
+
+
+def mpi_active(axes: tuple[str, ...]) -> bool:
+    """Whether a collective over ``axes`` here goes through the MPI transport (checked at trace time)."""
+    if not axes or cpu_collectives() != "mpi" or jax.process_count() == 1:
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    if set(manual_axes()) != set(mesh.axis_names):  # host calls need every mesh axis manual
+        return False
+    return jax.devices()[0].platform == "cpu"
+
+
+def _with_vma(aval: Any, shape: tuple[int, ...], dtype: Any, vma: frozenset[str]) -> Any:
+    mat = getattr(aval, "mat", None)
+    if mat is None:
+        return jax_core.ShapedArray(shape, dtype)
+    return aval.update(shape=shape, dtype=dtype, manual_axis_type=mat.update(varying=vma))
+
+
+def _out_avals(x: Any, *, kind: str, axes: tuple[str, ...], size: int, capacity: int | None, **_: Any) -> list[Any]:
+    vma = frozenset(getattr(getattr(x, "mat", None), "varying", ()))
+    if kind == "allreduce":
+        return [_with_vma(x, x.shape, x.dtype, vma - set(axes))]
+    if kind == "allgather":
+        return [_with_vma(x, (size, *x.shape), x.dtype, vma - set(axes))]
+    if kind in ("alltoall", "permute"):
+        return [_with_vma(x, x.shape, x.dtype, vma | set(axes))]
+    assert kind == "ragged" and capacity is not None
+    return [_with_vma(x, (capacity, *x.shape[1:]), x.dtype, vma | set(axes)),
+            _with_vma(x, (size,), np.dtype(np.int32), vma | set(axes))]
+
+
+def _abstract_eval(position: Any, x: Any, *rest: Any, **params: Any) -> list[Any]:
+    del position, rest
+    return _out_avals(x, **params)
+
+
+mpi_collective_p.def_abstract_eval(_abstract_eval)
+
+
+def _body(kind: str, op: str | None, pairs: tuple[tuple[int, int], ...] | None, capacity: int | None,
+          size: int) -> Any:
+    if kind == "allreduce":
+        assert op is not None
+        return host.allreduce_body(op)
+    if kind == "allgather":
+        return host.route_body(host.allgather_route, size)
+    if kind == "alltoall":
+        return host.route_body(host.alltoall_route, size)
+    if kind == "permute":
+        assert pairs is not None
+        return host.route_body(lambda plan: host.permute_route(plan, pairs), 1)
+    assert capacity is not None
+    return host.ragged_body(capacity)
+
+
+def _lowering(ctx: Any, position: Any, *operands: Any, kind: str, axes: tuple[str, ...], size: int,
+              op: str | None, pairs: tuple[tuple[int, int], ...] | None, capacity: int | None) -> Any:
+    axis_context = ctx.module_context.axis_context
+    mesh = getattr(axis_context, "mesh", None)
+    if not isinstance(axis_context, sharding_impls.SPMDAxisContext) or getattr(mesh, "devices", None) is None:
+        raise NotImplementedError("the MPI transport runs sx.comm collectives inside smap/shard_map over a concrete "
+                                  "mesh; set SHARDAX_CPU_COLLECTIVES=gloo for other programs")
+    devices = np.asarray(mesh.devices)
+    process = np.array([d.process_index for d in devices.ravel()], np.int64)
+    counts = np.bincount(process, minlength=jax.process_count())
+    if counts.min() != counts.max():
+        raise NotImplementedError(f"the MPI transport needs a mesh with as many devices on every process (this one "
+                                  f"has {counts.tolist()} by process): use such a mesh (sx.flat_mesh(), "
+                                  "sx.grid_mesh()) or set SHARDAX_CPU_COLLECTIVES=gloo")
+    plan = host.Plan.build(devices.shape, mesh.axis_names, axes, process, jax.process_index())
+    site = host.Site(plan, _body(kind, op, pairs, capacity, size), [tuple(a.shape) for a in ctx.avals_out])
+    sharding = jax_callback._callback_op_sharding(axis_context, None, ctx.avals_out)
+    result, _, _ = jax_callback.emit_python_callback(
+        ctx, site, None, [position, *operands], ctx.avals_in, ctx.avals_out, has_side_effect=True,
+        returns_token=False, sharding=sharding)
+    return result
+
+
+mlir.register_lowering(mpi_collective_p, _lowering, platform="cpu", cacheable=False)
+
+
+def _bind(kind: str, arrays: Sequence[jax.Array], axes: tuple[str, ...], size: int, *, op: str | None = None,
+          pairs: tuple[tuple[int, int], ...] | None = None, capacity: int | None = None) -> list[jax.Array]:
+    everything = tuple(jax.sharding.get_abstract_mesh().axis_names)
+    position = lax.axis_index(everything)
+    return mpi_collective_p.bind(position, *arrays, kind=kind, axes=axes, size=size, op=op, pairs=pairs,
+                                 capacity=capacity)
+
+
+# ---------------------------------------------------------------------------------------------- autodiff
+
+
+def _jvp(primals: Sequence[Any], tangents: Sequence[Any], **params: Any) -> tuple[list[Any], list[Any]]:
+    position, *xs = primals
+    out = mpi_collective_p.bind(position, *xs, **params)
+    linear = params["kind"] in ("allgather", "alltoall", "permute") or (
+        params["kind"] == "allreduce" and params["op"] == "sum")
+    if not linear:
+        raise NotImplementedError(f"sx.comm through the MPI transport differentiates sums, gathers and permutations "
+                                  f"only, not {params['kind']} with op={params['op']!r}")
+    t = ad.instantiate_zeros(tangents[1])
+    return out, mpi_collective_p.bind(position, t, **params)
+
+
+def _transpose(cts: Sequence[Any], position: Any, x: Any, *, kind: str, axes: tuple[str, ...], size: int,
+               op: str | None, pairs: tuple[tuple[int, int], ...] | None, capacity: int | None) -> list[Any]:
+    del x, op, capacity
+    (ct,) = cts
+    ct = ad.instantiate_zeros(ct)
+    if kind == "allreduce":  # invariant result: each rank's input got the whole cotangent
+        grad = vary_over(ct, axes)
+    elif kind == "allgather":
+        grad = vary_over(ct, axes)[lax.axis_index(axes)]
+    elif kind == "alltoall":
+        (grad,) = _bind("alltoall", [ct], axes, size)
+    else:
+        assert pairs is not None
+        (grad,) = _bind("permute", [ct], axes, size, pairs=tuple((d, s) for s, d in pairs))
+    return [None, grad]
+
+
+ad.primitive_jvps[mpi_collective_p] = _jvp
+ad.primitive_transposes[mpi_collective_p] = _transpose
+
+
+# ---------------------------------------------------------------------------------------------- collectives
+
+
+def _size(axes: tuple[str, ...]) -> int:
+    shape = jax.sharding.get_abstract_mesh().shape
+    return int(np.prod([shape[a] for a in axes]))
+
+
+def allreduce(x: jax.Array, op: str, axes: tuple[str, ...]) -> jax.Array:
+    """``MPI_Allreduce`` over ``axes`` (``op`` in sum/max/min/prod); the result is invariant over ``axes``."""
+    x = vary_over(jnp.asarray(x), axes)
+    if x.dtype == jnp.bool_:
+        return allreduce(x.astype(jnp.int32), op, axes).astype(jnp.bool_)
+    (out,) = _bind("allreduce", [x], axes, _size(axes), op=op)
+    return out
+
+
+def allgather(x: jax.Array, axes: tuple[str, ...], *, tiled: bool = False) -> jax.Array:
+    """``MPI_Allgather`` stacked by rank (``(size, *x.shape)``), or concatenated along axis 0 with ``tiled``."""
+    x = vary_over(jnp.asarray(x), axes)
+    (out,) = _bind("allgather", [x], axes, _size(axes))
+    return out.reshape(-1, *x.shape[1:]) if tiled else out
+
+
+def alltoall(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """Row ``d`` of ``x`` (leading dimension = size) to rank ``d``; row ``s`` of the result from rank ``s``."""
+    x = vary_over(jnp.asarray(x), axes)
+    (out,) = _bind("alltoall", [x], axes, _size(axes))
+    return out
+
+
+def permute(x: jax.Array, axes: tuple[str, ...], pairs: Sequence[tuple[int, int]]) -> jax.Array:
+    """``lax.ppermute``: rank ``dst`` receives rank ``src``'s ``x`` for each ``(src, dst)``; others get zeros."""
+    x = vary_over(jnp.asarray(x), axes)
+    (out,) = _bind("permute", [x], axes, _size(axes), pairs=tuple((int(s), int(d)) for s, d in pairs))
+    return out
+
+
+def ragged(x: jax.Array, send_counts: jax.Array, capacity: int, axes: tuple[str, ...]
+           ) -> tuple[jax.Array, jax.Array]:
+    """``MPI_Alltoallv`` of rows into ``capacity`` rows (packed by source rank, zeros after): ``(data,
+    recv_counts)``."""
+    x, send_counts = vary_over((jnp.asarray(x), jnp.asarray(send_counts, jnp.int32)), axes)
+    data, recv_counts = _bind("ragged", [x, send_counts], axes, _size(axes), capacity=capacity)
+    return data, recv_counts
