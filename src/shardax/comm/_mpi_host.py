@@ -402,7 +402,7 @@ def ragged_body(capacity: int) -> Callable[[Site, int, Sequence[np.ndarray]], Se
         for r in range(size):
             n = int(min(got[r], capacity - at))
             if n <= 0:
-                break
+                continue
             s = int(plan.members[g, r])
             if s in site.slot_of:
                 rows_s, _, starts = meet.inputs[site.slot_of[s]]
