@@ -198,7 +198,8 @@ def test_progress_and_plots(runs: dict[str, Path]) -> None:
 @pytest.mark.parametrize("args, message", [
     (["--particles", "48"], "--particles must be a power of two"),
     (["--steps", "0"], "--steps must be a positive integer"),
-    (["--z-start", "-1"], "--z-start must be a positive redshift"),
+    (["--particles", "2048"], "--particles must be a power of two from 4 to 1024"),
+    (["--z-start", "-1"], "--z-start must be a redshift in (0, 999]"),
     (["--box", "0"], "--box must be a positive length"),
     (["--mesh-factor", "0"], "--mesh-factor must be a positive integer"),
     (["--sigma8", "nan"], "--sigma8 must lie in"),

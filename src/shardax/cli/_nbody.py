@@ -76,14 +76,14 @@ def check_options(parser: argparse.ArgumentParser, ns: argparse.Namespace, devic
         if value is not None and value < 1:
             parser.error(f"{flag} must be a positive integer, got {value}")
     n = ns.particles
-    if n < 4 or n & (n - 1):
-        near = 1 << max(2, round(math.log2(max(n, 4))))
-        parser.error(f"--particles must be a power of two (particles per side, at least 4), got {n}; "
-                     f"try --particles {near}")
+    if n < 4 or n > 1024 or n & (n - 1):
+        near = 1 << min(10, max(2, round(math.log2(max(n, 4)))))
+        parser.error(f"--particles must be a power of two from 4 to 1024 (particles per side; IDs are int32), got "
+                     f"{n}; try --particles {near}")
     if not (math.isfinite(ns.box) and ns.box > 0):
         parser.error(f"--box must be a positive length in Mpc/h, got {ns.box}")
-    if not (math.isfinite(ns.z_start) and ns.z_start > 0):
-        parser.error(f"--z-start must be a positive redshift (the run goes from it to z = 0), got {ns.z_start}")
+    if not (math.isfinite(ns.z_start) and 0 < ns.z_start <= 999):
+        parser.error(f"--z-start must be a redshift in (0, 999] (the run goes from it to z = 0), got {ns.z_start}")
     if not (math.isfinite(ns.linking_length) and 0 < ns.linking_length < 0.5 * n):
         parser.error(f"--linking-length must be positive and below half the box (in mean spacings: < {0.5 * n:g}), "
                      f"got {ns.linking_length}")

@@ -168,10 +168,14 @@ def _order_name(order: int) -> str:
 
 
 def _with_mass(part: Any, mass: float) -> Any:
-    """``part`` with every particle's ``mass`` set (sharded like its positions)."""
+    """``part`` with every particle's ``mass`` set, its rows on the devices of the positions' rows."""
     import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
 
-    masses = jax.jit(lambda pos: pos[..., 0] * 0 + jnp.asarray(mass, pos.dtype))(part.pos)
+    sharding = part.pos.sharding
+    rows = NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0] if len(sharding.spec) else None)) \
+        if isinstance(sharding, NamedSharding) else None
+    masses = jax.jit(lambda pos: jnp.full(pos.shape[:2], mass, pos.dtype), out_shardings=rows)(part.pos)
     return dataclasses.replace(part, mass=masses)
 
 
@@ -188,9 +192,8 @@ def _power(nbody: Any, cosmo: Any, part: Any, options: NbodyOptions, mesh: Mesh,
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``(k, P(k), modes, linear P(k) at a_end)`` of the final particles on the PM mesh, CIC-compensated; linear
     bins of width the fundamental wavenumber up to the mesh's Nyquist wavenumber."""
-    from ..fields import paint, power_spectrum
-
     from .. import CapacityError
+    from ..fields import paint, power_spectrum
 
     cells = options.particles * options.mesh_factor
     # Clustered particles: a device may receive more than it holds; start with half as many again, redo once with

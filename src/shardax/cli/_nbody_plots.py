@@ -19,14 +19,17 @@ MASS_FUNCTION_PLOT = "halo_mass_function.png"
 DPI = 150
 
 
-def power_plot(path: str, power: tuple[np.ndarray, ...], box: float, particles: int, z: float) -> str:
-    """``P(k)`` of the final particles with the linear theory and the shot-noise level, and their ratio below."""
+def power_plot(path: str, power: tuple[np.ndarray, ...], box: float, particles: int, z: float,
+               linear_curve: tuple[np.ndarray, np.ndarray] | None = None) -> str:
+    """``P(k)`` of the final particles with the linear theory (``linear_curve``: a finer ``(k, P)`` than the bins)
+    and the shot-noise level; below, their ratio with the scatter that cosmic variance gives each bin."""
     plt = pyplot()
-    k, pk, _, linear = power
+    k, pk, modes, linear = power
     k_nyq = math.pi * particles / box
-    fig, (ax, ratio) = plt.subplots(2, 1, figsize=(5.5, 5.2), sharex=True, gridspec_kw={"height_ratios": (3, 1.3)})
+    fig, (ax, ratio) = plt.subplots(2, 1, figsize=(5.5, 5.4), sharex=True, gridspec_kw={"height_ratios": (3, 1.4)})
     shown = pk > 0
-    ax.loglog(k, linear, "-", color="black", lw=1.2, label=f"linear theory, z = {z:g}")
+    curve = linear_curve if linear_curve is not None else (k, linear)
+    ax.loglog(*curve, "-", color="black", lw=1.2, label=f"linear theory, z = {z:g}")
     ax.loglog(k[shown], pk[shown], "o", ms=3.5, color="C0", label="N-body (CIC, compensated)")
     ax.axhline(box**3 / particles**3, ls=":", color="gray", lw=1, label="shot noise $V/N$")
     for axis in (ax, ratio):
@@ -36,7 +39,11 @@ def power_plot(path: str, power: tuple[np.ndarray, ...], box: float, particles: 
     ax.set_ylabel("$P(k)$  [$(\\mathrm{Mpc}/h)^3$]")
     ax.legend(fontsize=8, frameon=False)
     ax.set_title(f"Matter power spectrum, {particles}$^3$ particles, {box:g} Mpc/$h$ box", fontsize=10)
+    scatter = np.sqrt(2.0 / np.maximum(modes, 1))
+    ratio.fill_between(k, 1 - scatter, 1 + scatter, color="gray", alpha=0.25, lw=0,
+                       label="cosmic variance $\\pm\\sqrt{2/N_\\mathrm{modes}}$")
     ratio.semilogx(k[shown], pk[shown] / linear[shown], "o-", ms=3, color="C0")
+    ratio.legend(fontsize=7, frameon=False, loc="lower left")
     ratio.axhline(1.0, color="black", lw=0.8)
     ratio.set_ylabel("$P / P_\\mathrm{lin}$")
     ratio.set_xlabel("$k$  [$h/\\mathrm{Mpc}$]")
@@ -49,22 +56,34 @@ def power_plot(path: str, power: tuple[np.ndarray, ...], box: float, particles: 
     return path
 
 
+def projected_density(pos: np.ndarray, box: float, cells: int, depth: float) -> np.ndarray:
+    """``1 + delta`` of the particles with ``0 <= z < depth``, projected along z onto ``cells x cells`` pixels by
+    cloud-in-cell (periodic), normalised by the mean of the whole box."""
+    inside = pos[:, 2] < depth
+    scaled = pos[inside, :2].astype(np.float64) / (box / cells) - 0.5  # pixel centres at (i + 1/2) box / cells
+    lower = np.floor(scaled).astype(np.int64)
+    frac = scaled - lower
+    image = np.zeros((cells, cells))
+    for dx in (0, 1):
+        for dy in (0, 1):
+            weight = (frac[:, 0] if dx else 1 - frac[:, 0]) * (frac[:, 1] if dy else 1 - frac[:, 1])
+            np.add.at(image, ((lower[:, 0] + dx) % cells, (lower[:, 1] + dy) % cells), weight)
+    return image / (len(pos) * (depth / box) / cells**2)
+
+
 def slice_plot(path: str, pos: np.ndarray, box: float, cells: int) -> str:
-    """Overdensity ``1 + delta`` of the particles in the slab ``0 <= z < box/8`` (at least two cells), counted on the
-    mesh's ``cells x cells`` pixels, log colour scale."""
+    """Overdensity ``1 + delta`` of the slab ``0 <= z < box/8`` (at least two cells) on the mesh's ``cells x cells``
+    pixels (cloud-in-cell), log colour scale."""
     plt = pyplot()
     from matplotlib.colors import LogNorm
 
     depth = max(box / 8, 2 * box / cells)
-    inside = pos[:, 2] < depth
-    counts, _, _ = np.histogram2d(pos[inside, 0], pos[inside, 1], bins=cells, range=((0, box), (0, box)))
-    mean = len(pos) * (depth / box) / cells**2
-    density = counts / mean
-    floor = 0.5 / mean  # empty pixels shown as half a particle
+    density = projected_density(pos, box, cells, depth)
+    positive = density[density > 0]
+    floor = max(0.05, float(positive.min())) if positive.size else 0.1  # empty pixels drawn at the floor
     fig, ax = plt.subplots(figsize=(5.4, 4.6))
     image = ax.imshow(np.maximum(density, floor).T, origin="lower", extent=(0, box, 0, box), cmap="magma",
-                      norm=LogNorm(vmin=max(floor, 0.05), vmax=max(density.max(), 10 * floor)),
-                      interpolation="nearest")
+                      norm=LogNorm(vmin=floor, vmax=max(density.max(), 10 * floor)), interpolation="nearest")
     bar = fig.colorbar(image, ax=ax, label="$1 + \\delta$ (projected)")
     log_axis(bar.ax.yaxis, image.norm.vmin, image.norm.vmax)
     ax.set_xlabel("$x$  [Mpc/$h$]")
@@ -119,11 +138,17 @@ def mass_function_plot(path: str, halo_mass: np.ndarray, particle_mass: float, b
         shown += [0.2 * density, density + error]
     if reference is not None:
         mass_grid, dn = reference
-        if shown:  # the theory curve where the data are, not down to its exponential tail
-            inside = dn >= np.concatenate(shown).min() * 0.1
-            mass_grid, dn = mass_grid[inside], dn[inside]
+        # The theory curve down to a fraction of a halo per bin of the box, not along its exponential tail.
+        floor = 0.3 / (0.15 * volume)
+        if shown:
+            floor = min(floor, np.concatenate(shown).min())
+        inside = dn >= floor
+        mass_grid, dn = mass_grid[inside], dn[inside]
         ax.plot(mass_grid, dn, "-", color="black", lw=1.2, label="Sheth-Tormen (linear theory)")
         shown.append(dn)
+    if not len(halo_mass):
+        ax.text(0.97, 0.8, f"no halos of {min_members} or more particles", ha="right", va="center",
+                transform=ax.transAxes)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(low / 1.3, high * 1.3)
@@ -156,7 +181,10 @@ def write_plots(options: Any, cosmo: Any, pos: np.ndarray, power: tuple[np.ndarr
         notes.append("plots skipped: matplotlib is not installed (pip install 'shardax[plot]')")
         return []
     out, box, n = options.out, options.box, options.particles
-    paths = [power_plot(os.path.join(out, POWER_PLOT), power, box, n, 0.0),
+    k = power[0]
+    k_fine = np.logspace(np.log10(k.min()), np.log10(k.max()), 200)
+    linear_curve = (k_fine, np.asarray(linear_power(cosmo, k_fine, a=1.0), np.float64))
+    paths = [power_plot(os.path.join(out, POWER_PLOT), power, box, n, 0.0, linear_curve),
              slice_plot(os.path.join(out, SLICE_PLOT), pos, box, n * options.mesh_factor)]
     low = options.min_members * particle_mass
     grid = np.logspace(np.log10(low / 1.5), np.log10(max(float(halo_mass.max()) if len(halo_mass) else low,
