@@ -1,12 +1,15 @@
-"""Collective benchmarks: allreduce across 2 processes (vs raw mpi4py and mpi4jax) and alltoallv vs all_to_all.
+"""Collective benchmarks: sx.comm across 2 processes through MPI and gloo (vs mpi4py and mpi4jax), and alltoallv
+vs all_to_all in one process.
 
 Run everything (launches its own processes):
 
-    python benchmarks/comm.py                # allreduce under mpirun -n 2 (1 and 4 devices/process) + alltoallv
+    python benchmarks/comm.py                # mpirun -n 2 at 1 and 4 devices/process, then alltoallv on 8 devices
     python benchmarks/comm.py --json out.json
 
-The allreduce part runs mpi4py, mpi4jax and shardax in the same two processes started by `mpirun -n 2`, so their
-figures are measured side by side in one run (sx.initialize() detects Open MPI on its own). Timings are medians.
+Each `mpirun -n 2` launch measures, side by side in the same two processes: an allreduce of 1e6 float32 per device
+through mpi4py, mpi4jax (if installed) and sx.comm over each transport (MPI, which sx.initialize() picks under
+mpirun when mpi4py is installed, then gloo), and an alltoallv of 2 MiB per device (balanced random counts) through
+sx.comm over each transport and mpi4py's Alltoallv of the same rows between the processes. Timings are medians.
 """
 
 from __future__ import annotations
@@ -42,11 +45,13 @@ def allreduce_worker(cpu_devices: int) -> None:
     from jax.sharding import PartitionSpec as P
 
     import shardax as sx
+    from shardax.runtime import _transport
 
     w = sx.initialize(cpu_devices=cpu_devices)
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    chosen = _transport.cpu_collectives()
     results: dict[str, float] = {}
     host = np.ones(N_FLOATS, np.float32)
     out = np.empty_like(host)
@@ -61,34 +66,71 @@ def allreduce_worker(cpu_devices: int) -> None:
     except ImportError:
         pass
 
-    # shardax: every device contributes N_FLOATS values; the sum over all devices of all processes.
-    for label, mesh, spec in (("flat mesh", sx.flat_mesh(), P(sx.ALL)),
-                              ("hosts x devices mesh", sx.grid_mesh(), P(sx.ALL))):
-        sharding = NamedSharding(mesh, sx.core.resolve_spec(spec, mesh, "bench"))
-        x = jax.make_array_from_process_local_data(sharding, np.ones((w.local_device_count, N_FLOATS), np.float32))
-        g = sx.smap(lambda v: sx.comm.allreduce(v), in_specs=(spec,), out_specs=spec, mesh=mesh, jit=True)
-        expect = float(w.device_count)
-        got = np.asarray(g(x).addressable_shards[0].data)
-        assert np.all(got == expect), (got[:4], expect)
-        results[f"sx.comm.allreduce ({label})"] = _median_ms(lambda g=g, x=x: g(x).block_until_ready())
-    # Hierarchical variant on the hosts x devices mesh: reduce-scatter inside each process, allreduce of the
-    # 1/local_device_count pieces across processes, all-gather inside each process.
-    mesh = sx.grid_mesh()
-    sharding = NamedSharding(mesh, P(("hosts", "d")))
+    # shardax: every device contributes N_FLOATS values; the sum over all devices of all processes, through each
+    # transport in turn (the transport is read when a function is traced, so each gets fresh functions).
+    mesh = sx.flat_mesh()
+    sharding = NamedSharding(mesh, P(mesh.axis_names))
     x = jax.make_array_from_process_local_data(sharding, np.ones((w.local_device_count, N_FLOATS), np.float32))
-
-    def hier(v):
-        from jax import lax
-        piece = lax.psum_scatter(v.reshape(w.local_device_count, -1), "d", scatter_dimension=0, tiled=True)
-        piece = lax.psum(piece, "hosts")
-        return lax.all_gather(piece, "d", axis=0, tiled=True).reshape(v.shape)
-
-    h = sx.smap(hier, in_specs=(P(("hosts", "d")),), out_specs=P(("hosts", "d")), mesh=mesh, jit=True)
-    got = np.asarray(h(x).addressable_shards[0].data)
-    assert np.all(got == float(w.device_count)), got[:4]
-    results["hierarchical psum_scatter/psum/all_gather"] = _median_ms(lambda: h(x).block_until_ready())
+    ragged = _alltoallv_case(sx, w, mesh)
+    for transport in ("mpi", "gloo") if chosen == "mpi" else ("gloo",):
+        _transport.set_transport(transport, "benchmark")
+        g = sx.smap(lambda v: sx.comm.allreduce(v), in_specs=(P(sx.ALL),), out_specs=P(sx.ALL), mesh=mesh, jit=True)
+        got = np.asarray(g(x).addressable_shards[0].data)
+        assert np.all(got == float(w.device_count)), (got[:4], w.device_count)
+        results[f"sx.comm.allreduce ({transport})"] = _median_ms(lambda g=g: g(x).block_until_ready())
+        fv, args = ragged()
+        results[f"sx.comm.alltoallv 2 MiB/device ({transport})"] = _median_ms(
+            lambda f=fv, args=args: f(*args).block_until_ready())
+    results["mpi4py Alltoallv 2 MiB/device"] = _mpi4py_alltoallv(comm, w)
     if w.process_id == 0:
-        print("RESULT " + json.dumps({"cpu_devices": cpu_devices, "ms": results}), flush=True)
+        print("RESULT " + json.dumps({"cpu_devices": cpu_devices, "transport": chosen, "ms": results}), flush=True)
+
+
+ROWS, WIDTH = 1 << 15, 16          # 32768 rows of 16 float32: 2 MiB per device
+
+
+def _counts(size: int) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    return rng.multinomial(ROWS, [1 / size] * size, size=size).astype(np.int32)   # (src, dst), rows sum to ROWS
+
+
+def _alltoallv_case(sx, w, mesh):  # type: ignore[no-untyped-def]
+    """A factory of ``(jitted alltoallv, args)``: balanced random counts, 2 MiB per device (fresh per transport)."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    size = w.device_count
+    counts = _counts(size)
+    cap = int(counts.sum(0).max())
+    mine = slice(w.process_id * w.local_device_count, (w.process_id + 1) * w.local_device_count)
+    sharding = NamedSharding(mesh, P(mesh.axis_names))
+    rows = np.random.default_rng(1).standard_normal((size, ROWS, WIDTH)).astype(np.float32)[mine]
+    x = jax.make_array_from_process_local_data(sharding, rows)
+    c = jax.make_array_from_process_local_data(sharding, counts[mine])
+
+    def make():  # type: ignore[no-untyped-def]
+        f = sx.smap(lambda x, c: sx.comm.alltoallv(x, c, capacity=cap)[0], in_specs=(P(sx.ALL), P(sx.ALL)),
+                    out_specs=P(sx.ALL), mesh=mesh, jit=True)
+        return f, (x, c)
+
+    return make
+
+
+def _mpi4py_alltoallv(comm, w) -> float:  # type: ignore[no-untyped-def]
+    """The same rows between the two processes with one ``Alltoallv`` of this process's devices' rows."""
+    from mpi4py import MPI
+
+    size, m = w.device_count, w.local_device_count
+    counts = _counts(size)
+    mine = counts[w.process_id * m:(w.process_id + 1) * m]                            # (m, size)
+    send = np.random.default_rng(2).standard_normal((m * ROWS, WIDTH)).astype(np.float32)
+    per_proc = mine.reshape(m, w.num_processes, m).sum(axis=(0, 2)) * WIDTH          # floats to each process
+    recv_per = counts.reshape(w.num_processes, m, w.num_processes, m)[:, :, w.process_id].sum(axis=(1, 2)) * WIDTH
+    recv = np.empty(int(recv_per.sum()), np.float32)
+    sd = np.concatenate([[0], np.cumsum(per_proc)[:-1]])
+    rd = np.concatenate([[0], np.cumsum(recv_per)[:-1]])
+    return _median_ms(lambda: comm.Alltoallv([send, (per_proc, sd), MPI.FLOAT], [recv, (recv_per, rd), MPI.FLOAT]))
 
 
 def alltoallv_bench(devices: int = 8, rows: int = 1 << 15, width: int = 16) -> dict:
@@ -143,7 +185,7 @@ def run_allreduce(cpu_devices: int) -> dict:
         raise RuntimeError("mpirun not found: apt-get install openmpi-bin")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDAX_")}
     env["JAX_PLATFORMS"] = "cpu"
-    cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, __file__,
+    cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2", "-x", "JAX_PLATFORMS", sys.executable, __file__,
            "--worker", str(cpu_devices)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -166,10 +208,13 @@ def main() -> None:
         report["allreduce"].append(res)
         ms = res["ms"]
         ref = ms.get("mpi4jax allreduce (jit)")
-        print(f"\nallreduce of {N_FLOATS:.0e} float32 across 2 processes, {m} CPU device(s) per process (median ms)")
+        ref_v = ms.get("mpi4py Alltoallv 2 MiB/device")
+        print(f"\n2 processes, {m} CPU device(s) per process, transport chosen: {res['transport']} (median ms); "
+              f"allreduce of {N_FLOATS:.0e} float32 per device")
         for name, t in ms.items():
-            ratio = f"  {t / ref:5.2f}x mpi4jax" if ref else ""
-            print(f"  {name:<40s} {t:8.2f}{ratio}")
+            base, label = (ref_v, "mpi4py Alltoallv") if "lltoallv" in name else (ref, "mpi4jax")
+            ratio = f"  {t / base:5.2f}x {label}" if base else ""
+            print(f"  {name:<42s} {t:8.2f}{ratio}")
     a2a = alltoallv_bench()
     report["alltoallv"] = a2a
     print("\nalltoallv vs tiled all_to_all, 8 devices, 32768 rows x 16 float32 per device (median ms)")

@@ -90,10 +90,26 @@ def _report_sections() -> list[tuple[str, list[tuple[str, str]]]]:
                 ("backend", f"{jax.default_backend()} ({grid[0, 0].device_kind})")]
     world_rows = [("process_id", str(w.process_id)), ("num_processes", str(w.num_processes)),
                   ("local devices", str(w.local_device_count)), ("global devices", str(w.device_count)),
-                  ("hosts", str(w.num_hosts)), ("mode", w.mode), ("started by", where)]
+                  ("hosts", str(w.num_hosts)), ("mode", w.mode), ("started by", where),
+                  ("sx.comm between processes", _transport_line(w.num_processes, w.platform))]
     grid_rows = [(f"process {p}", " ".join(f"{d.platform}:{d.id}" for d in grid[p])) for p in range(grid.shape[0])]
     return [("versions", versions), ("world", world_rows),
             (f"device grid ({grid.shape[0]} x {grid.shape[1]})", grid_rows)]
+
+
+def _transport_line(num_processes: int, platform: str) -> str:
+    """Which transport carries sx.comm's collectives between processes here, and why."""
+    from ..runtime._transport import cpu_collectives, transport_reason
+
+    if platform != "cpu":
+        return f"XLA's collectives ({platform}; NCCL on NVIDIA GPUs)"
+    if num_processes == 1:
+        return "none needed (one process; XLA's in-process collectives)"
+    if cpu_collectives() == "mpi":
+        from mpi4py import MPI
+
+        return f"mpi: {MPI.Get_library_version().splitlines()[0].strip()} ({transport_reason()})"
+    return f"gloo: XLA's TCP collectives ({transport_reason()})"
 
 
 def _print_plain(sections: Sequence[tuple[str, list[tuple[str, str]]]], title: str,

@@ -465,6 +465,9 @@ def _mpi_packed(arrays: Sequence[jax.Array], send_counts: jax.Array, capacity: i
         arrays = [a if fn is None else fn(a) for a, fn in zip(arrays, row_maps, strict=True)]
     if perm is not None:
         arrays = [jnp.take(a, perm, axis=0, mode="clip") for a in arrays]
+    if len(arrays) == 1:  # the host call moves any dtype as bytes itself
+        data, recv_counts = mpi.ragged(arrays[0], send_counts, capacity, axes)
+        return [data], recv_counts, jnp.sum(recv_counts) > capacity
     columns = [_to_bytes(a) for a in arrays]
     widths = [c.shape[1] for c in columns]
     data, recv_counts = mpi.ragged(jnp.concatenate(columns, axis=1) if len(columns) > 1 else columns[0],

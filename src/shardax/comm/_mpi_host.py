@@ -13,6 +13,7 @@ the collective's axes), so a call does only copies, one reduction or one MPI cal
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -345,7 +346,8 @@ def ragged_body(capacity: int) -> Callable[[Site, int, Sequence[np.ndarray]], Se
         meet.wait()
         if slot == site.leader:
             local = np.stack([meet.inputs[s][1] for s in range(meet.count)])     # (M, size)
-            every = np.asarray(site.comm.allgather(local))                       # (nprocs, M, size) by MPI rank
+            every = np.empty((site.nprocs, *local.shape), np.int64)             # by MPI rank
+            site.comm.Allgather(local, every)
             ndev = len(plan.process)
             table = np.zeros((ndev, size), np.int64)
             for pos in range(ndev):
@@ -353,7 +355,7 @@ def ragged_body(capacity: int) -> Callable[[Site, int, Sequence[np.ndarray]], Se
                 table[pos] = every[r][_slot_on(site, pos)]
             meet.shared["table"] = table
             me = int(site.comm.Get_rank())
-            send_parts: list[np.ndarray] = []
+            send_parts: list[tuple[int, int, int]] = []
             send_counts = np.zeros(site.nprocs, np.int64)
             recv_counts = np.zeros(site.nprocs, np.int64)
             recv_at: dict[tuple[int, int], int] = {}
@@ -369,8 +371,8 @@ def ragged_body(capacity: int) -> Callable[[Site, int, Sequence[np.ndarray]], Se
                     if p == q or table[s, rt] == 0:
                         continue
                     if p == me:
-                        rows_s, _, starts = meet.inputs[site.slot_of[s]]
-                        send_parts.append(rows_s[starts[rt]:starts[rt] + table[s, rt]])
+                        starts = meet.inputs[site.slot_of[s]][2]
+                        send_parts.append((site.slot_of[s], int(starts[rt]), int(starts[rt] + table[s, rt])))
                         send_counts[q] += table[s, rt]
                     if q == me:
                         recv_counts[p] += table[s, rt]
@@ -387,7 +389,7 @@ def ragged_body(capacity: int) -> Callable[[Site, int, Sequence[np.ndarray]], Se
                         continue
                     recv_at[(t, r)] = int(start_of[p] + offset_by_src[p])
                     offset_by_src[p] += table[s, rt]
-            send = np.concatenate(send_parts) if send_parts else np.empty((0, row_bytes), np.uint8)
+            send = _joined(meet.inputs, send_parts, row_bytes)
             recv = np.empty((int(recv_counts.sum()), row_bytes), np.uint8)
             if send_counts.any() or recv_counts.any():
                 _alltoallv_bytes(site.comm, send, send_counts, recv, recv_counts, row_bytes)
@@ -397,7 +399,7 @@ def ragged_body(capacity: int) -> Callable[[Site, int, Sequence[np.ndarray]], Se
         t = plan.local[slot]
         g, rt = int(plan.group[t]), int(plan.rank[t])
         got = np.array([table[int(plan.members[g, r]), rt] for r in range(size)], np.int64)
-        out = np.zeros((capacity, row_bytes), np.uint8)
+        out = np.empty((capacity, row_bytes), np.uint8)
         at = 0
         for r in range(size):
             n = int(min(got[r], capacity - at))
@@ -411,10 +413,22 @@ def ragged_body(capacity: int) -> Callable[[Site, int, Sequence[np.ndarray]], Se
                 k = recv_at[(t, r)]
                 out[at:at + n] = recv[k:k + n]
             at += n
+        out[at:] = 0
         meet.wait()
         return out.view(x.dtype).reshape((capacity, *x.shape[1:])), got.astype(np.int32)
 
     return body
+
+
+def _joined(inputs: Sequence[Any], parts: Sequence[tuple[int, int, int]], row_bytes: int) -> np.ndarray:
+    """Rows ``start:stop`` of input ``slot`` for each ``(slot, start, stop)``, one after another: a view when they
+    follow each other in one input (one device per process), else a copy."""
+    if not parts:
+        return np.empty((0, row_bytes), np.uint8)
+    slot = parts[0][0]
+    if all(p[0] == slot for p in parts) and all(b[1] == a[2] for a, b in itertools.pairwise(parts)):
+        return inputs[slot][0][parts[0][1]:parts[-1][2]]
+    return np.concatenate([inputs[s][0][start:stop] for s, start, stop in parts])
 
 
 def _slot_on(site: Site, pos: int) -> int:
