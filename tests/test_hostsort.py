@@ -105,6 +105,29 @@ def test_environment_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     np.testing.assert_array_equal(np.asarray(jax.jit(sort)(x)), np.arange(2 * HOST_MIN))
 
 
+def test_persistent_cache_turns_it_off_unless_forced(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    """``auto`` (the default): no callback while JAX's persistent compilation cache is on, so every program can be
+    cached; ``1`` forces the host sort even then; a bad value is refused with the values it takes. (A new function
+    each time: JAX reuses the trace of one it has seen, whatever the environment.)"""
+    x = jnp.arange(2 * HOST_MIN, dtype=jnp.int32)[::-1]
+    monkeypatch.delenv("SHARDAX_HOST_SORT", raising=False)
+    assert _hostsort.host_sort_enabled() and _host_calls(lambda v: sort(v), x) == 1
+    before = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    try:
+        assert not _hostsort.host_sort_enabled()
+        assert _host_calls(lambda v: sort(v), x) == 0
+        monkeypatch.setenv("SHARDAX_HOST_SORT", "auto")
+        assert _host_calls(lambda v: sort(v), x) == 0
+        monkeypatch.setenv("SHARDAX_HOST_SORT", "1")
+        assert _host_calls(lambda v: sort(v), x) == 1
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+    monkeypatch.setenv("SHARDAX_HOST_SORT", "sometimes")
+    with pytest.raises(ValueError, match="SHARDAX_HOST_SORT='sometimes'.*'auto'.*'0'"):
+        _hostsort.host_sort_enabled()
+
+
 def test_lowering_for_several_platforms_keeps_lax_sort() -> None:
     """``jax.export`` for CPU and CUDA at once lowers without a callback (JAX's callbacks support one platform)."""
     from jax import export

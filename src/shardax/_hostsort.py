@@ -4,9 +4,14 @@ XLA:CPU sorts a single array slowly: 156250 int32 words take ~9 ms, 156250 uint6
 (x86-simd-sort on AVX-512/AVX2 machines) takes 0.5 ms and 1.2 ms, and a host callback costs ~0.1 ms. On CPU
 devices :func:`sort` therefore hands arrays of at least ``HOST_MIN`` words to ``numpy.sort`` in a host callback;
 other backends (GPU radix sorts), small arrays and programs where a callback would gather the data on one device
-keep ``lax.sort``, as does everything when the environment sets ``SHARDAX_HOST_SORT=0`` (programs with a host callback
-are not written to JAX's persistent compilation cache and cannot be exported). A sort of plain values has exactly one
-result, so every path returns the same bits.
+keep ``lax.sort``. A sort of plain values has exactly one result, so every path returns the same bits.
+
+JAX never writes a program with a host callback to its persistent compilation cache (and ``jax.export`` cannot
+serialise one), so the host sort is a trade: faster steady state against a compilation in every new process. The
+environment variable ``SHARDAX_HOST_SORT`` decides, read when a program is traced (see :func:`host_sort_enabled`):
+``auto`` (the default) uses the host sort unless JAX's persistent compilation cache is on
+(``jax_compilation_cache_dir`` set, e.g. by ``JAX_COMPILATION_CACHE_DIR``), so that with the cache on every program
+of the library can be cached; ``1`` always uses it, ``0`` never.
 
 The callback is a primitive of its own rather than :func:`jax.pure_callback`: that one first copies its arguments
 onto CPU device 0 (``device_put``), which waits for device 0's running program; when device 0 waits in a collective
@@ -36,9 +41,8 @@ except ImportError:  # pragma: no cover - a JAX without them sorts with lax.sort
 
 # Below this many values the callback's fixed cost (~0.1 ms) is more than XLA:CPU's sort takes.
 HOST_MIN = 4096
-# ``SHARDAX_HOST_SORT=0`` turns the host sort off (read at trace time): JAX writes no program with a host callback to
-# its persistent compilation cache, and ``jax.export`` cannot serialise one.
 ENV = "SHARDAX_HOST_SORT"
+_ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
 _TYPES = frozenset(np.dtype(t) for t in (np.int32, np.uint32, np.int64, np.uint64))
 
@@ -62,12 +66,42 @@ def sort(x: jax.Array) -> jax.Array:
     """
     dtype = np.dtype(x.dtype)
     if (x.ndim != 1 or x.shape[0] < HOST_MIN or dtype not in _TYPES or _callback_op_sharding is None
-            or os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off")):
+            or not host_sort_enabled()):
         return lax.sort(x)
     # ``(n, k)`` words per value: k = 2 for 64-bit values, 1 otherwise.
     words = lax.bitcast_convert_type(x, jnp.uint32) if dtype.itemsize == 8 else x[:, None]
     out = _sort_p.bind(words, dtype=dtype)
     return lax.bitcast_convert_type(out, dtype) if dtype.itemsize == 8 else out[:, 0]
+
+
+def host_sort_enabled() -> bool:
+    """Whether :func:`sort` may hand large sorts on CPU devices to NumPy, by ``SHARDAX_HOST_SORT``: ``1`` / ``0``
+    force it on / off; ``auto`` (or unset) turns it on unless JAX's persistent compilation cache is on (JAX does
+    not cache programs with a host callback). Read at trace time: programs already traced keep their choice.
+
+    Raises:
+        ValueError: ``SHARDAX_HOST_SORT`` is none of ``auto``, ``1``, ``0`` (or ``true``/``false``, ``on``/``off``,
+            ``yes``/``no``).
+
+    Example:
+        >>> import os
+        >>> from shardax._hostsort import host_sort_enabled
+        >>> os.environ["SHARDAX_HOST_SORT"] = "0"
+        >>> host_sort_enabled()
+        False
+        >>> del os.environ["SHARDAX_HOST_SORT"]
+    """
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    if value != "auto":
+        raise ValueError(f"{ENV}={value!r}: use 'auto' (the default: the host sort unless JAX's persistent "
+                         "compilation cache is on), '1' (always) or '0' (never, every program cacheable)")
+    cache_on = getattr(jax.config, "jax_compilation_cache_dir", None) and getattr(
+        jax.config, "jax_enable_compilation_cache", True)
+    return not cache_on
 
 
 def _sort_words(words: Any, dtype: np.dtype) -> Any:
