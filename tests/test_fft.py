@@ -259,3 +259,27 @@ def test_bad_input() -> None:
         sx.fft.irfftn(np.zeros((8, 8, 5), np.complex64), s=(8, 8, 12))
     with pytest.raises(TypeError, match="jax.Array or numpy"):
         sx.fft.fftn([[[1.0]]])  # type: ignore[arg-type]
+
+
+def test_repeated_calls_skip_the_checks_and_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call with the shape, dtype, sharding and options of an earlier one goes straight to its compiled function
+    (the per-call checks and plan cost as much as a small transform); anything new is checked and planned."""
+    from shardax.fft import _fftn
+
+    mesh = make_mesh((2,))
+    rng = np.random.default_rng(5)
+    a, b = (rng.standard_normal((4, 6, 8)).astype(np.complex64) for _ in range(2))
+    xa, xb = _put(a, mesh, P("x")), _put(b, mesh, P("x"))
+    assert_allclose(np.asarray(sx.fft.fftn(xa)), np.fft.fftn(a))
+    planned: list[str] = []
+    real_plan = _fftn.make_plan
+    monkeypatch.setattr(_fftn, "make_plan", lambda kind, *args: planned.append(kind) or real_plan(kind, *args))
+    assert_allclose(np.asarray(sx.fft.fftn(xb)), np.fft.fftn(b))  # seen: no plan
+    assert planned == []
+    assert_allclose(np.asarray(sx.fft.ifftn(xb)), np.fft.ifftn(b))  # another kind: planned
+    assert_allclose(np.asarray(sx.fft.fftn(xb, norm="ortho")), np.fft.fftn(b, norm="ortho"))
+    assert planned == ["ifftn", "fftn"]
+    with pytest.raises(ValueError, match="norm"):  # bad options are refused every time
+        sx.fft.fftn(xb, norm="sideways")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="norm"):
+        sx.fft.fftn(xb, norm="sideways")  # type: ignore[arg-type]
