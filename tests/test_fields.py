@@ -200,3 +200,27 @@ def test_power_spectrum_gpu_binning_matches_cpu(monkeypatch: pytest.MonkeyPatch)
     for cpu, gpu in zip(results["cpu"], results["gpu"], strict=True):
         assert_allclose(gpu, cpu)
     np.testing.assert_array_equal(results["gpu"][2], results["cpu"][2])  # mode counts exactly
+
+
+@pytest.mark.parametrize("ndev", [1, 8])
+def test_non_finite_positions_are_counted(ndev: int) -> None:
+    """The kernels' own checks: valid rows with NaN or infinite coordinates are refused with their count (in
+    ``paint`` and ``readout``), and the box is checked on the finite rows first."""
+    mesh = make_mesh((ndev,))
+    pos = np.random.default_rng(2).random((64, 3)).astype(np.float32)
+    part = sx.particles.from_numpy(pos, mesh=mesh)
+    rho = sx.fields.paint(part, (8, 8, 8), box=1.0)
+
+    def with_rows(first: float, last: float) -> sx.particles.Particles:
+        """``part`` with coordinate 1 of a valid row of the first device and 0 of one of the last replaced."""
+        held = np.asarray(part.pos).copy()
+        held[0, 3, 1], held[-1, 2, 0] = first, last
+        return sx.particles.Particles(pos=jax.device_put(held, part.pos.sharding), num=part.num)
+
+    for bad in (np.nan, np.inf, -np.inf):
+        with pytest.raises(ValueError, match="2 particle.s. have NaN or infinite"):
+            sx.fields.paint(with_rows(bad, bad), (8, 8, 8), box=1.0)
+        with pytest.raises(ValueError, match="2 particle.s. have NaN or infinite"):
+            sx.fields.readout(rho, with_rows(bad, bad), box=1.0)
+    with pytest.raises(ValueError, match="do not fit the periodic box"):  # a finite row far outside: reported first
+        sx.fields.paint(with_rows(np.nan, 7.0), (8, 8, 8), box=1.0)

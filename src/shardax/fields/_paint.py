@@ -18,7 +18,7 @@ from .._errors import CapacityError
 from ..comm._alltoallv import count_by_rank
 from ..core import ALL, default_mesh, rank_info, smap
 from ..particles import Particles
-from ..particles._bounds import check_bounds, check_part, mapped_bounds
+from ..particles._bounds import check_bounds, check_part, mapped_checks
 from ..particles._particles import check_count, check_positions, row_count
 from ..runtime._backend import tuning_backend
 from ._grid import Grid, _box3, _shape3, cell_index, default_spec, field_sharding
@@ -274,7 +274,7 @@ def _particle_mesh(part: Any, mesh: Mesh | None) -> Mesh:
 def _checks(local: Particles, needed: jax.Array) -> tuple[jax.Array, ...]:
     """The kernel's replicated error flags: particles a device had to receive, non-finite rows, the positions'
     span (:func:`_raise_errors` reads them after the call)."""
-    return (needed, _nonfinite(local), *mapped_bounds(local.pos, local.num))
+    return (needed, *mapped_checks(local.pos, local.num))
 
 
 def _raise_errors(name: str, checks: tuple[jax.Array, ...], box: Any, capacity: int) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -104,6 +105,30 @@ def mapped_bounds(pos: jax.Array, num: Any) -> tuple[jax.Array, jax.Array]:
     _, lower, upper = _reduce(pos, _valid_rows(pos, num))
     both = allreduce(jnp.concatenate([lower, -upper]), "min")
     return both[:pos.shape[-1]], -both[pos.shape[-1]:]
+
+
+def mapped_checks(pos: jax.Array, num: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Inside a mapped kernel: the valid rows of ``pos (n, d)`` with a NaN or infinite coordinate (summed over every
+    device) and :func:`mapped_bounds`, from one min/max pass over the positions when they are all finite.
+
+    A NaN reaches the min or max and an infinite coordinate is one of them, so finite bounds prove every valid row
+    finite; only otherwise does a second pass count the bad rows and take the bounds of the finite ones.
+    """
+    rows = jnp.arange(pos.shape[-2], dtype=jnp.int32)
+    listed = rows < jnp.asarray(num, jnp.int32)
+    lower = jnp.min(jnp.where(listed[:, None], pos, jnp.inf), axis=0)
+    upper = jnp.max(jnp.where(listed[:, None], pos, -jnp.inf), axis=0)
+    clean = ~jnp.any(jnp.isnan(lower) | jnp.isnan(upper) | (lower == -jnp.inf) | (upper == jnp.inf))
+
+    def recount(pos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        valid = _valid_rows(pos, num)
+        _, low, high = _reduce(pos, valid)
+        return jnp.sum(listed & ~valid, dtype=jnp.int32), low, high
+
+    zero = jnp.sum(listed & False, dtype=jnp.int32)  # (varying over the mapped axes, like the count)
+    bad, lower, upper = lax.cond(clean, lambda pos: (zero, lower, upper), recount, pos)
+    both = allreduce(jnp.concatenate([lower, -upper]), "min")
+    return allreduce(bad), both[:pos.shape[-1]], -both[pos.shape[-1]:]
 
 
 @functools.lru_cache(maxsize=32)
