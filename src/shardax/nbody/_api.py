@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import fft
 from .._errors import CapacityError
@@ -128,7 +128,7 @@ def _linear_fn(setup: Setup, source_key: Any) -> Callable[..., jax.Array]:
 
     def body(noise: jax.Array, table: jax.Array | None) -> jax.Array:
         modes, _ = local_linear_modes(setup, noise, _power_fn(source, setup, table))
-        return fft.local_irfftn(modes, spec=setup.spec, layout="transposed", s=(setup.n,) * 3)
+        return fft.local_irfftn(modes, spec=setup.spec, layout=setup.fft_layout, s=(setup.n,) * 3)
     return smap(body, in_specs=(setup.spec, _REPLICATED), out_specs=setup.spec, mesh=setup.mesh, expand=False,
                 jit=True)
 
@@ -264,7 +264,7 @@ def pm_forces(part: Any, *, box: float, mesh_per_side: int, mesh: Mesh | None = 
             ``sx.particles.from_numpy``, on the mesh's devices.
         box: box side in Mpc/h.
         mesh_per_side: force mesh side ``nm`` (a power of two dividing over the mesh axes).
-        mesh: the mesh (default: the context mesh, else ``sx.flat_mesh()``).
+        mesh: the mesh (default: that of ``part.pos``, else the context mesh, else ``sx.flat_mesh()``).
         gradient: ``"fd4"`` (4th-order finite difference, as FastPM and JaxPM) or ``"spectral"`` (``i k``).
         deconvolve: divide the density by the cloud-in-cell window.
         capacity: particles a device may receive while painting (default: 1.5 times the capacity).
@@ -284,7 +284,11 @@ def pm_forces(part: Any, *, box: float, mesh_per_side: int, mesh: Mesh | None = 
     if getattr(part, "pos", None) is None or np.ndim(part.pos) != 3 or np.shape(part.pos)[2] != 3:
         raise ValueError("pm_forces: part must be global particles with pos (ndev, cap, 3) (e.g. from "
                          "sx.particles.from_numpy)")
-    the_mesh = default_mesh(mesh)
+    sharding = getattr(part.pos, "sharding", None)
+    if mesh is None and isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
+        the_mesh = sharding.mesh
+    else:
+        the_mesh = default_mesh(mesh)
     setup = make_setup(n=mesh_per_side, nm=mesh_per_side, box=box, mesh=the_mesh, gradient=gradient,
                        deconvolve=deconvolve, where="pm_forces")
     rows = int(np.shape(part.pos)[1])

@@ -40,11 +40,11 @@ def local_pm_forces(setup: Setup, pos: jax.Array, num: jax.Array | None = None) 
     kern = Kernels(setup, nm, pos.dtype)
     green = kern.inv_laplace
     if setup.deconvolve:
-        green = green / kern.cic_window()
-    phi = scaled(fft.local_rfftn(delta, spec=setup.spec, layout="transposed"), green)
+        green = green / kern.cic_window()  # painting's window (readout's is left: deconvolving both is unstable)
+    phi = scaled(fft.local_rfftn(delta, spec=setup.spec, layout=setup.fft_layout), green)
     forces = []
     for g in kern.grad:
-        component = fft.local_irfftn(times_i(phi, -g), spec=setup.spec, layout="transposed", s=(nm, nm, nm))
+        component = fft.local_irfftn(times_i(phi, -g), spec=setup.spec, layout=setup.fft_layout, s=(nm, nm, nm))
         values, got = fields.local_readout(component, part, box=setup.box, spec=setup.spec, capacity=setup.capacity)
         forces.append(values)
         needed = jnp.maximum(needed, got)

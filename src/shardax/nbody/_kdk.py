@@ -17,8 +17,8 @@ class StepFactors(NamedTuple):
     """Per step ``a_i -> a_{i+1}`` (arrays `(steps,)`): the first half kick, the drift and the second half kick.
 
     With the momentum ``p = a^3 E dx/da`` (Mpc/h), ``G(a) = a^3 E dD1/da`` and ``a_h = (a_i + a_{i+1}) / 2``:
-    ``kick1 = (G(a_h) - G(a_i)) a_i^2 E(a_i) / D1(a_i)``, ``drift = (D1(a_{i+1}) - D1(a_i)) / G(a_h)``,
-    ``kick2 = (G(a_{i+1}) - G(a_h)) a_{i+1}^2 E(a_{i+1}) / D1(a_{i+1})``; a step is ``p += kick1 F(x)``,
+    ``kick1 = (G(a_h) - G(a_i)) / D1(a_i)``, ``drift = (D1(a_{i+1}) - D1(a_i)) / G(a_h)``,
+    ``kick2 = (G(a_{i+1}) - G(a_h)) / D1(a_{i+1})``, with ``F`` the PM force of :func:`pm_forces`; a step is ``p += kick1 F(x)``,
     ``x += drift p``, ``p += kick2 F(x)``. Linear modes grow exactly as ``D1``.
     """
 
@@ -45,11 +45,11 @@ def _step_factors(cosmo: Cosmology, values: jax.Array, derivs: jax.Array, times:
     steps = times.shape[0] - 1
     g = interpolate_growth(cosmo, values, derivs, jnp.concatenate([times, (times[:-1] + times[1:]) / 2]))
     d1, gf, half_gf = g.d1[: steps + 1], g.gf[: steps + 1], g.gf[steps + 1:]
-    # d(a^3 E dD1/da)/da = 3/2 Omega_m D1 / (a^2 E): the kick factor divided by 3/2 Omega_m.
-    a2e = times * times * g.e[: steps + 1]
-    return StepFactors(kick1=(half_gf - gf[:-1]) * a2e[:-1] / d1[:-1],
+    # dp/da = 3/2 Omega_m F / (a^2 E) and d(a^3 E dD1/da)/da = 3/2 Omega_m D1 / (a^2 E): over a kick the force
+    # is taken to grow as D1, so that dp = F(a_i) dG / D1(a_i).
+    return StepFactors(kick1=(half_gf - gf[:-1]) / d1[:-1],
                        drift=(d1[1:] - d1[:-1]) / half_gf,
-                       kick2=(gf[1:] - half_gf) * a2e[1:] / d1[1:])
+                       kick2=(gf[1:] - half_gf) / d1[1:])
 
 
 class State(NamedTuple):

@@ -66,11 +66,11 @@ def scaled(x: jax.Array, g: jax.Array) -> jax.Array:
 
 
 class Kernels:
-    """Wavenumbers (h/Mpc) of this device's block of an ``n^3`` half spectrum stored ``(k1, k2, k0)``, with the
+    """Wavenumbers (h/Mpc) of this device's block of an ``n^3`` half spectrum stored as ``setup.fft_layout`` says, with the
     gradient and inverse Laplacian kernels of ``setup``."""
 
     def __init__(self, setup: Setup, n: int, dtype: Any) -> None:
-        freqs = fft.local_fftfreq((n, n, n), spec=setup.spec, d=setup.box / n, rfft=True, layout="transposed",
+        freqs = fft.local_fftfreq((n, n, n), spec=setup.spec, d=setup.box / n, rfft=True, layout=setup.fft_layout,
                                   dtype=dtype)
         self.k = [2 * math.pi * f for f in freqs]
         self.k2 = self.k[0] ** 2 + self.k[1] ** 2 + self.k[2] ** 2
@@ -92,10 +92,10 @@ class Kernels:
 
 
 def local_linear_modes(setup: Setup, noise: jax.Array, power: PowerFn) -> tuple[jax.Array, Kernels]:
-    """This device's block of the linear density contrast's half spectrum (stored ``(k1, k2, k0)``):
+    """This device's block of the linear density contrast's half spectrum (stored as ``setup.fft_layout`` says):
     ``rfftn(noise) * sqrt(P(k) n^3 / V)``, zero mode removed."""
     n = setup.n
-    modes = fft.local_rfftn(noise, spec=setup.spec, layout="transposed")
+    modes = fft.local_rfftn(noise, spec=setup.spec, layout=setup.fft_layout)
     kernels = Kernels(setup, n, noise.dtype)
     kmag = jnp.sqrt(kernels.k2)
     pk = jnp.where(kernels.k2 > 0, power(kmag), 0).astype(noise.dtype)
@@ -104,7 +104,7 @@ def local_linear_modes(setup: Setup, noise: jax.Array, power: PowerFn) -> tuple[
 
 
 def _irfftn(setup: Setup, modes: jax.Array, n: int) -> jax.Array:
-    return fft.local_irfftn(modes, spec=setup.spec, layout="transposed", s=(n, n, n))
+    return fft.local_irfftn(modes, spec=setup.spec, layout=setup.fft_layout, s=(n, n, n))
 
 
 def local_lpt_fields(setup: Setup, noise: jax.Array, power: PowerFn) -> tuple[jax.Array, jax.Array | None]:
@@ -125,7 +125,7 @@ def local_lpt_fields(setup: Setup, noise: jax.Array, power: PowerFn) -> tuple[ja
             hessian[i, j] = _irfftn(setup, scaled(phi, -kern.grad[i] * kern.grad[j]), n)
     source = (hessian[0, 0] * hessian[1, 1] + hessian[0, 0] * hessian[2, 2] + hessian[1, 1] * hessian[2, 2]
               - hessian[0, 1] ** 2 - hessian[0, 2] ** 2 - hessian[1, 2] ** 2)
-    phi2 = scaled(fft.local_rfftn(source, spec=setup.spec, layout="transposed"), kern.inv_laplace)
+    phi2 = scaled(fft.local_rfftn(source, spec=setup.spec, layout=setup.fft_layout), kern.inv_laplace)
     s2 = jnp.stack([_irfftn(setup, times_i(phi2, g), n).reshape(-1) for g in kern.grad], axis=1)
     return s1, s2
 

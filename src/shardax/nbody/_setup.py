@@ -42,6 +42,12 @@ class Setup:
         return Layout.from_spec(self.spec, (n, n, n), self.axis_sizes, "spec")
 
     @property
+    def fft_layout(self) -> Literal["same", "transposed"]:
+        """How spectra are stored: ``(k1, k2, k0)`` for slabs (one transpose saved), ``(k0, k1, k2)`` for pencils
+        (whose half axis ``n // 2 + 1`` cannot be split)."""
+        return "transposed" if len(self.mesh.axis_names) == 1 else "same"
+
+    @property
     def local_count(self) -> int:
         """Particles per device."""
         return math.prod(self.layout(self.n).local_shape)
