@@ -294,3 +294,17 @@ def test_fof_table_ids_and_bad_arguments(tmp_path) -> None:
     with pytest.raises(FileNotFoundError):
         sx.io.read_fof_table(tmp_path / "none.hdf5")
     assert not list(tmp_path.glob("x*"))
+
+
+def test_fof_table_refuses_fields_split_unlike_the_labels(monkeypatch) -> None:
+    """On several processes each field is read by device block: a field split otherwise is named in the error."""
+    from shardax.io import _fof_table
+
+    blocks = {"label": {0: np.zeros((1, 4), np.int32)}, "num": {0: np.array([4])}, "pos": {0: np.zeros((1, 4, 3))},
+              "ids": {0: np.zeros((1, 4), np.int32)}, "mass": {2: np.ones((1, 4))}}
+    values = iter(blocks.values())
+    monkeypatch.setattr(_fof_table, "_blocks", lambda x: next(values))
+    part = Particles(pos=jnp.zeros((1, 4, 3)), num=jnp.array([4]), ids=jnp.zeros((1, 4), jnp.int32),
+                     mass=jnp.ones((1, 4)))
+    with pytest.raises(ValueError, match=r"part.mass is not split over the devices like the labels"):
+        _fof_table._local_members(jnp.zeros((1, 4), jnp.int32), part)

@@ -47,6 +47,11 @@ def _local_members(labels: Any, part: Any) -> dict[str, np.ndarray]:
                          "build it with sx.particles.from_numpy, which fills them")
     out: dict[str, list[np.ndarray]] = {k: [] for k in ("label", "ids", "pos", "vel", "mass")}
     for start, lab in pieces["label"].items():
+        odd = [name for name, blocks in pieces.items() if start not in blocks]
+        if odd:
+            raise ValueError(f"write_fof_table: part.{odd[0]} is not split over the devices like the labels (no "
+                             f"block starting at device row {start}); give every field of part the sharding of "
+                             "part.pos (leading axis over the devices), as sx.particles.from_numpy does")
         block = {name: blocks[start] for name, blocks in pieces.items()}
         if one_device:
             block = {name: value[None] for name, value in block.items()}
