@@ -27,15 +27,20 @@ import numpy as np
 N_FLOATS = 1_000_000
 
 
-def _median_ms(fn, repeats: int = 30, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times) * 1e3)
+def _interleaved_ms(cases: dict, rounds: int = 8, repeats: int = 5, warmup: int = 3) -> dict[str, float]:
+    """Median ms of each case, timed in turns (``repeats`` calls of each, ``rounds`` times) so that every case
+    sees the same load over the run."""
+    for fn in cases.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    return {name: float(np.median(t) * 1e3) for name, t in times.items()}
 
 
 def allreduce_worker(cpu_devices: int) -> None:
@@ -52,22 +57,22 @@ def allreduce_worker(cpu_devices: int) -> None:
 
     comm = MPI.COMM_WORLD
     chosen = _transport.cpu_collectives()
-    results: dict[str, float] = {}
+    cases = {}
     host = np.ones(N_FLOATS, np.float32)
     out = np.empty_like(host)
-    results["mpi4py Allreduce"] = _median_ms(lambda: comm.Allreduce(host, out, op=MPI.SUM))
+    cases["mpi4py Allreduce"] = lambda: comm.Allreduce(host, out, op=MPI.SUM)
     try:
         import mpi4jax
 
         dev = jax.local_devices()[0]
         a = jax.device_put(jnp.ones(N_FLOATS, jnp.float32), dev)
         f = jax.jit(lambda v: mpi4jax.allreduce(v, op=MPI.SUM, comm=comm))
-        results["mpi4jax allreduce (jit)"] = _median_ms(lambda: f(a).block_until_ready())
+        cases["mpi4jax allreduce (jit)"] = lambda: f(a).block_until_ready()
     except ImportError:
         pass
 
     # shardax: every device contributes N_FLOATS values; the sum over all devices of all processes, through each
-    # transport in turn (the transport is read when a function is traced, so each gets fresh functions).
+    # transport (read when a function is traced: each gets fresh functions, traced right after the switch).
     mesh = sx.flat_mesh()
     sharding = NamedSharding(mesh, P(mesh.axis_names))
     x = jax.make_array_from_process_local_data(sharding, np.ones((w.local_device_count, N_FLOATS), np.float32))
@@ -77,11 +82,13 @@ def allreduce_worker(cpu_devices: int) -> None:
         g = sx.smap(lambda v: sx.comm.allreduce(v), in_specs=(P(sx.ALL),), out_specs=P(sx.ALL), mesh=mesh, jit=True)
         got = np.asarray(g(x).addressable_shards[0].data)
         assert np.all(got == float(w.device_count)), (got[:4], w.device_count)
-        results[f"sx.comm.allreduce ({transport})"] = _median_ms(lambda g=g: g(x).block_until_ready())
+        cases[f"sx.comm.allreduce ({transport})"] = lambda g=g: g(x).block_until_ready()
         fv, args = ragged()
-        results[f"sx.comm.alltoallv 2 MiB/device ({transport})"] = _median_ms(
-            lambda f=fv, args=args: f(*args).block_until_ready())
-    results["mpi4py Alltoallv 2 MiB/device"] = _mpi4py_alltoallv(comm, w)
+        fv(*args).block_until_ready()
+        cases[f"sx.comm.alltoallv 2 MiB/device ({transport})"] = lambda f=fv, args=args: f(*args).block_until_ready()
+    _transport.set_transport(chosen, "benchmark")
+    cases["mpi4py Alltoallv 2 MiB/device"] = _mpi4py_alltoallv(comm, w)
+    results = _interleaved_ms(cases)
     if w.process_id == 0:
         print("RESULT " + json.dumps({"cpu_devices": cpu_devices, "transport": chosen, "ms": results}), flush=True)
 
@@ -117,7 +124,7 @@ def _alltoallv_case(sx, w, mesh):  # type: ignore[no-untyped-def]
     return make
 
 
-def _mpi4py_alltoallv(comm, w) -> float:  # type: ignore[no-untyped-def]
+def _mpi4py_alltoallv(comm, w):  # type: ignore[no-untyped-def]
     """The same rows between the two processes with one ``Alltoallv`` of this process's devices' rows."""
     from mpi4py import MPI
 
@@ -130,7 +137,7 @@ def _mpi4py_alltoallv(comm, w) -> float:  # type: ignore[no-untyped-def]
     recv = np.empty(int(recv_per.sum()), np.float32)
     sd = np.concatenate([[0], np.cumsum(per_proc)[:-1]])
     rd = np.concatenate([[0], np.cumsum(recv_per)[:-1]])
-    return _median_ms(lambda: comm.Alltoallv([send, (per_proc, sd), MPI.FLOAT], [recv, (recv_per, rd), MPI.FLOAT]))
+    return lambda: comm.Alltoallv([send, (per_proc, sd), MPI.FLOAT], [recv, (recv_per, rd), MPI.FLOAT])
 
 
 def alltoallv_bench(devices: int = 8, rows: int = 1 << 15, width: int = 16) -> dict:
@@ -195,7 +202,7 @@ def run_allreduce(cpu_devices: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "Collective benchmarks").splitlines()[0])
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args()

@@ -211,6 +211,23 @@ def _checks(sx: Any) -> dict[str, list[np.ndarray]]:
         return sx.comm.exchange(tree, dest, num=n - 1, capacity=n * 2)
 
     run("exchange", exchange)
+
+    def rounds() -> Any:  # the chunked path (several all_to_all rounds in a loop), taken when init is given
+        from shardax.comm._alltoallv import alltoallv_many
+
+        rank, size, axes = sx.rank_info()
+        counts = (rank + jnp.arange(size, dtype=jnp.int32)) % 3
+        x = jnp.arange(3 * size, dtype=jnp.float32) + 100 * rank
+        init = [jnp.full((3 * size,), -1.0, jnp.float32)]
+        return alltoallv_many([x], counts, 3 * size, axes, "chunked", 1, init=init)
+
+    run("alltoallv_rounds", rounds)
+
+    def zsorted() -> Any:
+        part, overflow = sx.particles.zsort(sx.particles.uniform(256, seed=3))
+        return part.pos, part.num, overflow
+
+    run("zsort", zsorted)
     run("grid_hosts", lambda: (sx.comm.allreduce(values(sx.rank_info().rank), axis="hosts"),
                                sx.comm.alltoall(jnp.arange(2) + 10 * sx.rank_info("hosts").rank, axis="hosts"),
                                sx.comm.shift(sx.rank_info("hosts").rank, axis="hosts")), mesh=grid)

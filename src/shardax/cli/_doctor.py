@@ -108,7 +108,7 @@ def _transport_line(num_processes: int, platform: str) -> str:
     if cpu_collectives() == "mpi":
         from mpi4py import MPI
 
-        return f"mpi: {MPI.Get_library_version().splitlines()[0].strip()} ({transport_reason()})"
+        return f"mpi: {MPI.Get_library_version().split(',')[0].strip()} ({transport_reason()})"
     return f"gloo: XLA's TCP collectives ({transport_reason()})"
 
 

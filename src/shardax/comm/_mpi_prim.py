@@ -88,7 +88,7 @@ def _body(kind: str, op: str | None, pairs: tuple[tuple[int, int], ...] | None, 
 def _lowering(ctx: Any, position: Any, *operands: Any, kind: str, axes: tuple[str, ...], size: int,
               op: str | None, pairs: tuple[tuple[int, int], ...] | None, capacity: int | None) -> Any:
     axis_context = ctx.module_context.axis_context
-    mesh = getattr(axis_context, "mesh", None)
+    mesh: Any = getattr(axis_context, "mesh", None)
     if not isinstance(axis_context, sharding_impls.SPMDAxisContext) or getattr(mesh, "devices", None) is None:
         raise NotImplementedError("the MPI transport runs sx.comm collectives inside smap/shard_map over a concrete "
                                   "mesh; set SHARDAX_CPU_COLLECTIVES=gloo for other programs")

@@ -47,7 +47,7 @@ def _cpu_platform() -> bool:
     """Whether JAX will run on CPU (asked before the backend starts: the platforms setting, then what is installed)."""
     import jax
 
-    platforms = (jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")).lower()
+    platforms = (getattr(jax.config, "jax_platforms", None) or os.environ.get("JAX_PLATFORMS", "")).lower()
     if platforms:
         return platforms.split(",")[0].strip() == "cpu"
     import importlib.util
