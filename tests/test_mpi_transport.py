@@ -1,7 +1,7 @@
 """The MPI transport of ``sx.comm``: every collective gives the gloo transport's results under ``mpirun``.
 
-One ``mpirun -n 2`` launch per configuration (1 and 4 CPU devices per process) runs every check twice in the same
-processes, through MPI and through gloo (the transport is read at trace time, so fresh functions switch it), and
+One ``mpirun -n 2`` launch per configuration (1 and 4 CPU devices per process under Open MPI 4, 4 under Open MPI
+5) runs every check twice in the same processes, through MPI and through gloo (the transport is read at trace time, so fresh functions switch it), and
 compares both with NumPy references built from every rank's inputs. Two more launches check that a run whose
 processes diverge still ends with a clear error: a different program (the program guard) and a rank that stops
 taking part (the watchdog). Skipped, with the reason, when ``mpirun`` or ``mpi4py`` is absent. The selection rules
@@ -25,6 +25,8 @@ import numpy as np
 import pytest
 
 MPIRUN = shutil.which("mpirun")
+# Open MPI 5 from its PyPI wheel in a virtual environment of its own (.ci/cluster-setup.sh makes it).
+MPIRUN5 = os.environ.get("SHARDAX_OMPI5_MPIRUN", "/opt/shardax-ompi5/bin/mpirun")
 HAVE_MPI4PY = importlib.util.find_spec("mpi4py") is not None
 needs_mpi = pytest.mark.skipif(MPIRUN is None or not HAVE_MPI4PY,
                                reason="needs Open MPI's mpirun and mpi4py (apt-get install openmpi-bin; "
@@ -93,14 +95,16 @@ def test_plan_groups_and_ranks() -> None:
 # ---------------------------------------------------------------------------------------------- under mpirun
 
 
-def _mpirun(mode: str, devices: int, extra_env: dict[str, str] | None = None, timeout: float = 300
-            ) -> tuple[int, str]:
-    assert MPIRUN is not None
+def _mpirun(mode: str, devices: int, extra_env: dict[str, str] | None = None, timeout: float = 300,
+            mpirun: str | None = MPIRUN) -> tuple[int, str]:
+    assert mpirun is not None
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDAX_", "OMPI_", "PMIX_", "SLURM_"))}
     env |= {"JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "SHARDAX_CPU_DEVICES": str(devices)}
     env |= extra_env or {}
     names = ["JAX_PLATFORMS", "PYTHONUNBUFFERED", "SHARDAX_CPU_DEVICES", *(extra_env or {})]
-    argv = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "--mca", "oob_tcp_if_include", "lo", "-n", "2"]
+    argv = [mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2"]
+    if mpirun == MPIRUN:
+        argv[3:3] = ["--mca", "oob_tcp_if_include", "lo"]  # keep Open MPI 4's ORTE on loopback
     for name in names:
         argv += ["-x", name]
     argv += [sys.executable, os.path.abspath(__file__), mode]
@@ -128,6 +132,19 @@ def test_every_collective_same_through_mpi_and_gloo(devices: int) -> None:
         assert r["transport"] == "mpi", r
         assert r["failures"] == [], r
         assert r["checked"] >= 20, r
+
+
+@pytest.mark.multiprocess
+@pytest.mark.mpi
+@pytest.mark.skipif(not HAVE_MPI4PY or not os.access(MPIRUN5, os.X_OK),
+                    reason=f"needs mpi4py and Open MPI 5's mpirun at {MPIRUN5} (bash .ci/cluster-setup.sh, or set "
+                           "SHARDAX_OMPI5_MPIRUN)")
+def test_every_collective_same_through_mpi_and_gloo_open_mpi_5() -> None:
+    code, out = _mpirun("checks", 4, mpirun=MPIRUN5)
+    assert code == 0, f"mpirun exited with {code}:\n{out[-6000:]}"
+    reports = [json.loads(line.split("REPORT ", 1)[1]) for line in out.splitlines() if "REPORT " in line]
+    assert sorted(r["process"] for r in reports) == [0, 1], out[-6000:]
+    assert all(r["transport"] == "mpi" and r["failures"] == [] for r in reports), reports
 
 
 @pytest.mark.multiprocess
