@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ..core._vary import vary_like
@@ -211,25 +212,29 @@ def _candidate_runs(dkeys: jax.Array, first: jax.Array, x0: jax.Array, x1: jax.A
     else:
         x_parts = [(jnp.maximum(a, 0), jnp.minimum(b, gx - 1))]
 
-    lo_keys, hi_keys, valid = [], [], []
-    for offset in offsets:
-        base = jnp.zeros_like(x0)
-        ok = jnp.ones_like(x0, dtype=bool)
-        for axis, off in enumerate(offset, start=1):
-            g = grid.cells[axis]
-            c = first[:, axis] + off
-            if periodic:
-                ok = ok & (g >= 2 * abs(off) + (off > 0))
-                c = jnp.mod(c, g)
-            else:
-                ok = ok & (c >= 0) & (c < g)
-            base = base + c * grid.stride[axis]
-        for xa, xb in x_parts:
-            lo_keys.append(base + xa)
-            hi_keys.append(base + xb + 1)
-            valid.append(ok & (xb >= xa))
-    lo_k = jnp.stack(lo_keys, axis=1)
-    hi_k = jnp.stack(hi_keys, axis=1)
+    # Every candidate row of every block at once, `(B, R)` (no Python loop over the rows: one set of operations
+    # whatever the reach, so the program stays small).
+    table = np.asarray(offsets, dtype=np.int32).reshape(len(offsets), -1)
+    # A periodic axis of g cells holds an offset's cell only once when g >= 2 |off| + (off > 0).
+    least = 2 * np.abs(table) + (table > 0)
+    base = jnp.zeros((x0.shape[0], len(offsets)), x0.dtype)
+    ok = jnp.ones(base.shape, dtype=bool)
+    for axis in range(1, first.shape[1]):
+        g = grid.cells[axis]
+        c = first[:, axis, None] + table[None, :, axis - 1]
+        if periodic:
+            ok = ok & (g >= least[None, :, axis - 1])
+            c = jnp.mod(c, g)
+        else:
+            ok = ok & (c >= 0) & (c < g)
+        base = base + c * grid.stride[axis]
+    # Runs ordered by candidate row, then by x part.
+    xa = jnp.stack([xa for xa, _ in x_parts], axis=1)[:, None, :]
+    xb = jnp.stack([xb for _, xb in x_parts], axis=1)[:, None, :]
+    runs = (x0.shape[0], len(offsets) * len(x_parts))
+    lo_k = (base[:, :, None] + xa).reshape(runs)
+    hi_k = (base[:, :, None] + xb + 1).reshape(runs)
+    valid = (ok[:, :, None] & (xb >= xa)).reshape(runs)
     found = jnp.searchsorted(dkeys, jnp.stack([lo_k, hi_k]), side="left", method=search).astype(jnp.int32)
-    length = jnp.where(jnp.stack(valid, axis=1), found[1] - found[0], 0)
+    length = jnp.where(valid, found[1] - found[0], 0)
     return found[0], length
