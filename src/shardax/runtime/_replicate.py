@@ -46,8 +46,8 @@ def host_replicate(x: jax.Array, mesh: Mesh, axis: str = "hosts") -> jax.Array:
         >>> from jax.sharding import NamedSharding, PartitionSpec as P
         >>> mesh = sx.grid_mesh()
         >>> a = jax.device_put(jnp.eye(8), NamedSharding(mesh, P(None, ("hosts", "d"))))
-        >>> sx.host_replicate(a, mesh).sharding.spec
-        PartitionSpec(None, 'd')
+        >>> tuple(sx.host_replicate(a, mesh).sharding.spec)
+        (None, 'd')
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
