@@ -8,6 +8,7 @@ Lagrangian perturbation theory to second order (:func:`lpt`), particle-mesh forc
 the cosmological parameters. See docs/nbody.md.
 """
 
+from ._api import density as density
 from ._api import linear_field as linear_field
 from ._api import lpt as lpt
 from ._api import pm_forces as pm_forces
@@ -25,6 +26,6 @@ from ._simulate import evolve as evolve
 from ._simulate import simulate as simulate
 
 __all__ = [
-    "Cosmology", "Growth", "Simulation", "StepFactors", "evolve", "growth", "growth_factor", "hubble_rate",
+    "Cosmology", "Growth", "Simulation", "StepFactors", "density", "evolve", "growth", "growth_factor", "hubble_rate",
     "linear_field", "linear_power", "lpt", "pm_forces", "simulate", "step_factors", "white_noise",
 ]

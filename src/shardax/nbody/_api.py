@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .. import fft
+from .. import comm, fft, fields
 from .._errors import CapacityError
 from ..core import ALL, default_mesh, smap
 from ..particles import Particles
@@ -241,6 +241,30 @@ def lpt(cosmo: Cosmology, noise: jax.Array, *, box: float, a: float, order: int 
     return _particles(setup, pos, mom, ids, a_arr)
 
 
+def _forces_setup(part: Any, box: Any, mesh_per_side: Any, mesh: Mesh | None, gradient: Any, deconvolve: Any,
+                  capacity: Any, where: str, all_rows: bool = False) -> Setup:
+    """The :class:`Setup` of a force or density mesh for global particles (their mesh unless one is passed)."""
+    if getattr(part, "pos", None) is None or np.ndim(part.pos) != 3 or np.shape(part.pos)[2] != 3:
+        raise ValueError(f"{where}: part must be global particles with pos (ndev, cap, 3) (e.g. from "
+                         "sx.particles.from_numpy)")
+    sharding = getattr(part.pos, "sharding", None)
+    if mesh is None and isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
+        the_mesh = sharding.mesh
+    else:
+        the_mesh = default_mesh(mesh)
+    setup = make_setup(n=mesh_per_side, nm=mesh_per_side, box=box, mesh=the_mesh, gradient=gradient,
+                       deconvolve=deconvolve, where=where)
+    ndev, rows = (int(v) for v in np.shape(part.pos)[:2])
+    if ndev != setup.ndev:
+        raise ValueError(f"{where}: part has {ndev} device rows but the mesh has {setup.ndev} devices; pass the mesh "
+                         "the particles were made on")
+    default = ndev * rows if all_rows else rows + max(rows // 2, 64)
+    cap = default if capacity is None else capacity
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise ValueError(f"{where}: capacity must be a positive int, got {capacity!r}")
+    return dataclasses.replace(setup, capacity=cap)
+
+
 @functools.lru_cache(maxsize=32)
 def _forces_fn(setup: Setup) -> Callable[..., tuple[jax.Array, jax.Array]]:
     def body(pos: jax.Array, num: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -281,27 +305,46 @@ def pm_forces(part: Any, *, box: float, mesh_per_side: int, mesh: Mesh | None = 
         >>> sx.nbody.pm_forces(part, box=100.0, mesh_per_side=16).shape[-1]
         3
     """
-    if getattr(part, "pos", None) is None or np.ndim(part.pos) != 3 or np.shape(part.pos)[2] != 3:
-        raise ValueError("pm_forces: part must be global particles with pos (ndev, cap, 3) (e.g. from "
-                         "sx.particles.from_numpy)")
-    sharding = getattr(part.pos, "sharding", None)
-    if mesh is None and isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
-        the_mesh = sharding.mesh
-    else:
-        the_mesh = default_mesh(mesh)
-    setup = make_setup(n=mesh_per_side, nm=mesh_per_side, box=box, mesh=the_mesh, gradient=gradient,
-                       deconvolve=deconvolve, where="pm_forces")
-    rows = int(np.shape(part.pos)[1])
-    if np.shape(part.pos)[0] != setup.ndev:
-        raise ValueError(f"pm_forces: part has {np.shape(part.pos)[0]} device rows but the mesh has {setup.ndev} "
-                         "devices; pass the mesh the particles were made on")
-    cap = capacity if capacity is not None else rows + max(rows // 2, 64)
-    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-        raise ValueError(f"pm_forces: capacity must be a positive int, got {capacity!r}")
-    setup = dataclasses.replace(setup, capacity=cap)
+    setup = _forces_setup(part, box, mesh_per_side, mesh, gradient, deconvolve, capacity, "pm_forces")
+    cap = setup.capacity
     forces, needed = _forces_fn(setup)(part.pos, jnp.asarray(part.num, jnp.int32))
     if not isinstance(needed, jax.core.Tracer) and int(needed) > cap:
         raise CapacityError(f"pm_forces: a device had to receive {int(needed)} particles but capacity is {cap}; "
                             f"pass capacity={int(needed)} or more", needed=int(needed), available=cap,
                             argument="capacity")
     return forces
+
+
+@functools.lru_cache(maxsize=32)
+def _density_fn(setup: Setup) -> Callable[..., jax.Array]:
+    def body(pos: jax.Array, num: jax.Array) -> jax.Array:
+        part = Particles(pos=wrap(pos[0], setup.box), num=num[0])
+        rho, _ = fields.local_paint(part, (setup.nm,) * 3, box=setup.box, spec=setup.spec, capacity=setup.capacity)
+        total = comm.allreduce(num[0]).astype(rho.dtype)
+        return rho * (setup.nm**3 / total) - 1
+    return smap(body, in_specs=(_ROWS, _ROWS), out_specs=setup.spec, mesh=setup.mesh, expand=False, jit=True)
+
+
+def density(part: Any, *, box: float, mesh_per_side: int, mesh: Mesh | None = None,
+            capacity: int | None = None) -> jax.Array:
+    """Cloud-in-cell overdensity ``rho / mean(rho) - 1`` of global particles on an ``nm^3`` mesh, differentiable in
+    the positions (``sx.fields.paint`` checks its input on the host; this runs under ``jax.grad`` and ``jit``).
+
+    Args:
+        part: global particles (``pos (ndev, cap, 3)`` in Mpc/h, ``num (ndev,)``), e.g. from :func:`evolve`.
+        box: box side in Mpc/h.
+        mesh_per_side: mesh side ``nm`` (a power of two dividing over the mesh axes).
+        mesh: the mesh (default: that of ``part.pos``, else the context mesh, else ``sx.flat_mesh()``).
+        capacity: particles a device may receive (default: all of them, ``ndev * cap``: nothing can be dropped).
+
+    Returns:
+        `(nm, nm, nm)` overdensity sharded as slabs (1D mesh) or pencils (2D mesh).
+
+    Example:
+        >>> import shardax as sx
+        >>> part = sx.nbody.lpt(sx.nbody.Cosmology(), sx.nbody.white_noise(16), box=200.0, a=0.1)
+        >>> abs(float(sx.nbody.density(part, box=200.0, mesh_per_side=16).mean())) < 1e-5
+        True
+    """
+    setup = _forces_setup(part, box, mesh_per_side, mesh, "fd4", False, capacity, "density", all_rows=True)
+    return _density_fn(setup)(part.pos, jnp.asarray(part.num, jnp.int32))
