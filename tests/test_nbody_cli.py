@@ -1,4 +1,4 @@
-"""``shardax nbody``: the same files on 1 device, on a 2 x 4 pencil mesh in one process and on 2 processes x 4 devices;
+"""``shardax nbody``: the same files on 1 device, on 8 devices in one process and on 2 processes x 4 devices;
 the snapshot, P(k) and halos checked against NumPy/SciPy references on the written particles; bad options."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from test_fof_multiprocess import reference_labels
 
 # Small enough to compile and run quickly, big enough for a few dozen halos of 10 or more particles.
 OPTIONS = NbodyOptions(particles=32, box=128.0, steps=4, z_start=9.0, seed=3, min_members=10, plots=False)
-LAYOUTS = ("one_device", "pencils_2x4", "processes_2x4")
+LAYOUTS = ("one_device", "devices_8", "processes_2x4")
 
 
 def _cli_args(options: NbodyOptions, out: Path) -> list[str]:
@@ -38,7 +38,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The job's output folder at each layout (the launched one with plots and the CLI's progress output)."""
     root = tmp_path_factory.mktemp("nbody")
     outs = {name: root / name for name in LAYOUTS}
-    for name, mesh in (("one_device", make_mesh((1,))), ("pencils_2x4", make_mesh((2, 4)))):
+    for name, mesh in (("one_device", make_mesh((1,))), ("devices_8", make_mesh((8,)))):
         run_job(dataclasses.replace(OPTIONS, out=str(outs[name])), mesh=mesh, show=False)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDAX_", "JAX_NUM_CPU"))}
     proc = subprocess.run([sys.executable, "-m", "shardax.cli", "nbody", *_cli_args(OPTIONS, outs["processes_2x4"]),
@@ -117,9 +117,9 @@ def test_files_identical_whatever_the_layout(runs: dict[str, Path]) -> None:
         np.testing.assert_allclose(d["Velocities"], d0["Velocities"], atol=0.05, rtol=1e-4)
         pk = read_power_csv(runs[name] / "power_spectrum.csv")
         np.testing.assert_array_equal(pk["modes"], pk0["modes"])
-        np.testing.assert_allclose(pk["k [h/Mpc]"], pk0["k [h/Mpc]"], rtol=1e-6)
+        np.testing.assert_allclose(pk["k [h/Mpc]"], pk0["k [h/Mpc]"], rtol=1e-5)
         np.testing.assert_allclose(pk["P(k) [(Mpc/h)^3]"], pk0["P(k) [(Mpc/h)^3]"], rtol=1e-4)
-        np.testing.assert_allclose(pk["linear P(k) [(Mpc/h)^3]"], pk0["linear P(k) [(Mpc/h)^3]"], rtol=1e-6)
+        np.testing.assert_allclose(pk["linear P(k) [(Mpc/h)^3]"], pk0["linear P(k) [(Mpc/h)^3]"], rtol=1e-4)
         g, t = _halos(runs[name])
         for key in ("Ngroups_Total", "Nids_Total", "BoxSize", "Redshift", "Time"):
             np.testing.assert_array_equal(g[key], g0[key], err_msg=f"{name}: fof Header/{key}")

@@ -168,15 +168,22 @@ def _order_name(order: int) -> str:
 
 
 def _with_mass(part: Any, mass: float) -> Any:
-    """``part`` with every particle's ``mass`` set, its rows on the devices of the positions' rows."""
-    import jax.numpy as jnp
+    """``part`` with every particle's ``mass`` set, and ``num`` and ``mass`` split by rows over the devices as its
+    positions are (``sx.io.write_fof_table`` reads every field by device block; ``simulate`` may leave ``num`` on
+    one device)."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     sharding = part.pos.sharding
-    rows = NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0] if len(sharding.spec) else None)) \
-        if isinstance(sharding, NamedSharding) else None
-    masses = jax.jit(lambda pos: jnp.full(pos.shape[:2], mass, pos.dtype), out_shardings=rows)(part.pos)
-    return dataclasses.replace(part, mass=masses)
+    if not isinstance(sharding, NamedSharding):
+        return part
+    rows = NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0] if len(sharding.spec) else None))
+
+    def by_rows(host: np.ndarray) -> jax.Array:
+        return jax.make_array_from_callback(host.shape, rows, lambda index: host[index])
+
+    num = part.num if not part.num.is_fully_addressable else by_rows(np.asarray(part.num))
+    masses = by_rows(np.full(part.pos.shape[:2], mass, np.dtype(part.pos.dtype)))
+    return dataclasses.replace(part, num=num, mass=masses)
 
 
 def gather(part: Any) -> dict[str, np.ndarray]:
