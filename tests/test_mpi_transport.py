@@ -204,6 +204,15 @@ def _checks(sx: Any) -> dict[str, list[np.ndarray]]:
                           sx.comm.sendrecv(sx.rank_info().rank + 10, [(0, sx.rank_info().size - 1)])))
     run("barrier", lambda: sx.comm.barrier())
 
+    def batched() -> Any:
+        rank, size, _ = sx.rank_info()
+        rows = jnp.stack([values(rank), values(rank) * 2])                        # a batch of two
+        table = (rank * 100 + jnp.arange(2 * size).reshape(2, size)).astype(jnp.int32)
+        return (jax.vmap(sx.comm.allreduce)(rows), jax.vmap(sx.comm.allgather)(rows[:, :2]),
+                jax.vmap(sx.comm.alltoall)(table), jax.vmap(sx.comm.shift)(rows))
+
+    run("vmap", batched)
+
     def ragged(capacity: int) -> Any:
         def f() -> Any:
             rank, size, _ = sx.rank_info()

@@ -20,7 +20,7 @@ from jax._src import callback as jax_callback
 from jax._src import core as jax_core
 from jax._src import sharding_impls
 from jax.extend.core import Primitive
-from jax.interpreters import ad, mlir
+from jax.interpreters import ad, batching, mlir
 
 from ..core._rank import manual_axes
 from ..core._vary import vary_over
@@ -153,6 +153,24 @@ def _transpose(cts: Sequence[Any], position: Any, x: Any, *, kind: str, axes: tu
 
 ad.primitive_jvps[mpi_collective_p] = _jvp
 ad.primitive_transposes[mpi_collective_p] = _transpose
+
+
+def _batch(args: Sequence[Any], dims: Sequence[Any], **params: Any) -> tuple[list[Any], list[Any]]:
+    """``vmap`` inside ``smap``: elementwise kinds keep the batch axis, gathers push it one place right, and
+    ``alltoall`` moves it behind the rank axis."""
+    position, x, *rest = args
+    if isinstance(dims[0], int) or rest:
+        raise NotImplementedError("sx.comm.alltoallv/exchange through the MPI transport do not batch under vmap")
+    kind, dim = params["kind"], dims[1]
+    if kind == "alltoall":
+        moved = jnp.moveaxis(x, dim, 1)
+        (out,) = mpi_collective_p.bind(position, moved, **params)
+        return [out], [1]
+    (out,) = mpi_collective_p.bind(position, x, **params)
+    return [out], [dim + 1 if kind == "allgather" else dim]
+
+
+batching.primitive_batchers[mpi_collective_p] = _batch
 
 
 # ---------------------------------------------------------------------------------------------- collectives
