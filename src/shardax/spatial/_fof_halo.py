@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..comm import allgather, allreduce
-from ..comm._alltoallv import Chunk, _exchange_counts_and_max, alltoallv_many, chunk_ladder, group_by_rank
+from ..comm._alltoallv import Chunk, _exchange_counts_and_max, alltoallv_many, group_by_rank
 from ..core._rank import resolve_axes
 from ..core._vary import vary_like
 from ..particles._sort import sort_words
@@ -65,16 +65,19 @@ class Halo(NamedTuple):
 
 
 def boundary_chunks(capacity: int, size: int) -> tuple[int, ...]:
-    """Round sizes (a :func:`~shardax.comm.chunk_ladder`) for the exchanges of boundary rows: ghosts, their labels
-    and the pieces of groups that cross devices.
+    """Round sizes (a ladder of two, see :func:`~shardax.comm.chunk_ladder`) for the exchanges of boundary rows:
+    ghosts, their labels and the pieces of groups that cross devices.
 
     Their traffic goes to a few neighbouring devices in amounts that depend on the data, so each exchange picks the
-    smallest size that moves its largest count in one round (each round is a collective: milliseconds across
-    processes). The largest size is ``2 * capacity / size`` rows per device pair (all of ``capacity`` on two
-    devices), so that a round's buffers stay within about twice the ``capacity`` receive buffer on any number of
-    devices; a device sending more than that to one neighbour takes a few rounds.
+    smaller size when it moves the largest count in one round, else the larger (each round is a collective:
+    milliseconds across processes). The larger size is ``2 * capacity / size`` rows per device pair (all of
+    ``capacity`` on two devices), so that a round's buffers stay within about twice the ``capacity`` receive
+    buffer on any number of devices; a device sending more than that to one neighbour takes a few rounds. The
+    smaller is a quarter of it. Each size compiles the exchange's loop once more, so two sizes keep the program
+    (and its compile time) small while light traffic still moves a quarter of the rows.
     """
-    return chunk_ladder(min(capacity, max(1, -(-2 * capacity // size))))
+    top = min(capacity, max(1, -(-2 * capacity // size)))
+    return tuple(sorted({max(1, -(-top // 4)), top}))
 
 
 def send_grouped(columns: dict[str, jax.Array], counts: jax.Array, *, capacity: int,
