@@ -15,8 +15,9 @@ from ._vary import index, vary_like
 # The fori_loop over factorisation steps is split into at most this many phases with static windows: phase q only
 # touches the rows below its first step's block and the columns factored before or during it (one window for the
 # whole loop would do 3x the flops of an exact Cholesky). With 16 phases the products do 5% more flops than an exact
-# Cholesky at N = 4096, tile 128, 4 devices; 8 or 32 phases ran as fast (within 2%).
-MAX_PHASES = 16
+# Cholesky at N = 4096, tile 128, 4 devices; 8 or 32 phases ran as fast (within 2%). Each phase is a copy of the
+# loop in the program (with the diagonal blocks' factorisation), so 8 phases, not 16: half the compile time.
+MAX_PHASES = 8
 
 
 def phase_bounds(count: int, max_phases: int = MAX_PHASES) -> list[int]:
