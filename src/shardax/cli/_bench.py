@@ -28,11 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from ..runtime._malloc import malloc_env
+from ..runtime import JobResult, ProcessSpec, Stream, launch, mpirun_spec, process_env, run_processes
 from ._bench_cases import KERNELS, Kernel, Target, kernels
 from ._cache import default_cache_dir
-from ._launch import _INHERITED_RUN_VARS, launch_job
-from ._procs import JobResult, ProcessSpec, Stream, run_job
 
 _QUICK_DEVICES = "1,8"
 _FULL_DEVICES = "1,2,4,8,2x4"
@@ -339,11 +337,10 @@ def _run_worker(config: DeviceConfig, cases: list[tuple[str, int]], repeat: int,
     with open(plan, "w") as f:
         json.dump({"cases": cases, "repeat": repeat, "cpu_devices": config.per_process if cpu else None,
                    "devices": config.per_process, "result": result}, f)
-    env = {k: v for k, v in os.environ.items() if k not in _INHERITED_RUN_VARS}
-    env["PYTHONUNBUFFERED"] = "1"
+    # Every configuration with the environment of launched processes (allocator, unbuffered output).
+    env = process_env(cpu_devices=config.per_process if cpu else None)
     if cpu:
-        env.update({"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(config.per_process)})
-    env.update(malloc_env(env))  # every configuration with the allocator of launched processes
+        env["JAX_PLATFORMS"] = "cpu"
     if cache_dir is not None:
         # Every program, however quickly it compiled (JAX's defaults skip those under 1 s).
         env.update({"JAX_COMPILATION_CACHE_DIR": cache_dir, "JAX_ENABLE_COMPILATION_CACHE": "true",
@@ -354,16 +351,15 @@ def _run_worker(config: DeviceConfig, cases: list[tuple[str, int]], repeat: int,
     sink = _ProgressSink("mpirun" if mpi else config.label)
     job: JobResult
     if mpi:
-        from ..testing._distributed import _mpirun_spec
-
         mpirun = shutil.which("mpirun") or "mpirun"
-        job = run_job([_mpirun_spec(mpirun, argv, config.processes, env)], sink=sink, timeout_s=timeout_s)
+        spec = mpirun_spec(argv, num_processes=config.processes, env=env, mpirun=mpirun)
+        job = run_processes([spec], sink=sink, timeout_s=timeout_s)
     elif config.processes == 1:
         spec = ProcessSpec([sys.executable, *argv], env, label="0", name=f"the worker on {config.label} devices")
-        job = run_job([spec], sink=sink, timeout_s=timeout_s)
+        job = run_processes([spec], sink=sink, timeout_s=timeout_s)
     else:
-        job = launch_job(argv, num_processes=config.processes, cpu_devices=config.per_process, timeout_s=timeout_s,
-                         sink=sink, env=env)
+        job = launch(argv, num_processes=config.processes, cpu_devices=config.per_process, timeout_s=timeout_s,
+                     sink=sink, env=env)
     if job.signal_received is not None:
         # Ctrl-C (or a termination) of this command ends the whole benchmark, not just this configuration.
         raise KeyboardInterrupt(job.message)

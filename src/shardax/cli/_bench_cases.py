@@ -328,29 +328,14 @@ def _points(n: int) -> np.ndarray:
     return np.random.default_rng(0).random((n, 3), dtype=np.float32)
 
 
-def _retry_capacity(call: Callable[..., Any], fallback: Mapping[str, int] | None = None,
-                    ) -> tuple[Callable[[], Any], float]:
-    """``call(**options)`` with the capacities a :class:`~shardax.CapacityError` asks for, found by calling it.
+def _retry_capacity(call: Callable[..., Any]) -> tuple[Callable[[], Any], float]:
+    """``call(**sizes)`` with the buffer sizes :func:`shardax.retry_capacity` finds by calling it, and the seconds
+    those calls took (the first one compiles)."""
+    from .._capacity import retry_capacity
 
-    An error that names no argument or size gets ``fallback`` (once). Returns the callable and the seconds the
-    calls made here took (the first one compiles).
-    """
-    from .._errors import CapacityError
-
-    options: dict[str, int] = {}
     start = time.perf_counter()
-    for _ in range(6):
-        try:
-            call(**options)
-            break
-        except CapacityError as err:
-            if err.argument is not None and err.needed is not None:
-                options[err.argument] = max(int(err.needed), 2 * options.get(err.argument, 0))
-            elif fallback is not None and not set(fallback) <= set(options):
-                options.update(fallback)
-            else:
-                raise
-    return (lambda: call(**options)), time.perf_counter() - start
+    _, sizes = retry_capacity(call)
+    return (lambda: call(**sizes)), time.perf_counter() - start
 
 
 def _case_allreduce(ctx: Context, n: int) -> list[Timing]:

@@ -15,10 +15,10 @@ import threading
 import time
 from collections.abc import Sequence
 
-from ..runtime._env import detect
+from ..runtime import ConsoleSink, Stream, launch
+from ..runtime import detect_launch as detect
 from ._cache import cache_help, use_compilation_cache
 from ._demo_table import REPORT_NAME, Report, exit_code, print_report, read_report
-from ._procs import ConsoleSink, Stream
 
 DEFAULT_CPU_DEVICES = 4
 
@@ -122,16 +122,14 @@ def run_cli(argv: Sequence[str]) -> int:
         return run_demo(ns, print_table=True)
     _check(parser, ns, ns.processes * (ns.cpu_devices or DEFAULT_CPU_DEVICES))
     ns.cpu_devices = ns.cpu_devices or DEFAULT_CPU_DEVICES
-    from ._launch import launch_job
-
     report_path = os.path.join(ns.out, REPORT_NAME)
     os.makedirs(ns.out, exist_ok=True)
     if os.path.exists(report_path):
         os.remove(report_path)
     start = time.perf_counter()
     sink = _ProgressSink()
-    result = launch_job(["-m", "shardax.cli._demo_body", *_forward(ns)], num_processes=ns.processes,
-                        cpu_devices=ns.cpu_devices, timeout_s=ns.timeout, sink=sink)
+    result = launch(["-m", "shardax.cli._demo_body", *_forward(ns)], num_processes=ns.processes,
+                    cpu_devices=ns.cpu_devices, timeout_s=ns.timeout, sink=sink)
     wall = time.perf_counter() - start
     report = read_report(report_path) or Report(f"{ns.processes} process(es) x {ns.cpu_devices} CPU devices", ())
     report = report.with_missing()

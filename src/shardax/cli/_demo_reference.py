@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from ..particles import KEY_BITS_PER_DIM
+from ..testing import ToleranceKind as Kind
 from ..testing import tolerance
-from ..testing._tolerance import Kind
 
 
 def exact(name: str, got: Any, want: Any) -> str:

@@ -23,14 +23,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import comm
-from .._errors import CapacityError
+from .._capacity import retry_capacity
 from ..core import ALL, rank_info, smap
 from ..fft import fftn
 from ..fields import bin_edges, paint, power_spectrum
 from ..linalg import potrs, syevd
 from ..particles import from_numpy, squeeze, zsort
 from ..runtime import World, device_grid, flat_mesh
-from ..runtime._env import detect
+from ..runtime import detect_launch as detect
 from ..spatial import knn
 from . import _demo_reference as ref
 from ._halos import _fof_with_retry, generate
@@ -320,13 +320,7 @@ def fftn_stage(ctx: Context) -> Outcome:
 
 
 def _paint_with_retry(ctx: Context, shape: tuple[int, int, int]) -> jax.Array:
-    capacity = None
-    for _ in range(4):
-        try:
-            return paint(ctx.part, shape, box=ctx.sizes.box, mesh=ctx.mesh, capacity=capacity)
-        except CapacityError as err:
-            capacity = err.needed
-    return paint(ctx.part, shape, box=ctx.sizes.box, mesh=ctx.mesh, capacity=capacity)
+    return retry_capacity(paint, ctx.part, shape, box=ctx.sizes.box, mesh=ctx.mesh)[0]
 
 
 def power_stage(ctx: Context) -> Outcome:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..runtime._env import ENV_NUM_PROCESSES
+from ..runtime import ENV_NUM_PROCESSES
 from ._cache import cache_help, use_compilation_cache
 from ._progress import Progress
 
@@ -138,19 +138,11 @@ def generate(n: int, box: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _fof_with_retry(part: Any, linking_length: float, box: tuple[float, ...], min_members: int) -> Any:
-    from .._errors import CapacityError
-    from ..spatial._fof import fof
+    """Global FoF of ``part``, its buffers grown to what the data needs (:func:`shardax.retry_capacity`)."""
+    from .._capacity import retry_capacity
+    from ..spatial import fof
 
-    options: dict[str, int] = {}
-    for _ in range(6):
-        try:
-            return fof.smap()(part, linking_length, box=box, min_members=min_members, **options)
-        except CapacityError as err:
-            if err.argument not in ("edge_capacity", "halo_capacity", "max_groups", "sort_capacity") or \
-                    err.needed is None:
-                raise
-            options[err.argument] = max(int(err.needed), 2 * options.get(err.argument, 0))
-    return fof.smap()(part, linking_length, box=box, min_members=min_members, **options)
+    return retry_capacity(fof.smap(), part, linking_length, box=box, min_members=min_members)[0]
 
 
 def _units(header: dict[str, Any], ns: argparse.Namespace, particle_mass: float | None) -> tuple[str, float | None]:
