@@ -34,6 +34,7 @@ from ._procs import Sink as Sink
 from ._procs import Stream as Stream
 from ._procs import run_processes as run_processes
 from ._replicate import host_replicate as host_replicate
+from ._transport import cpu_collectives as cpu_collectives
 from ._watchdog import configure_watchdog as configure_watchdog
 from ._world import World as World
 from ._world import device_grid as device_grid
@@ -43,7 +44,7 @@ from ._world import world as world
 
 __all__ = ["ENV_COORDINATOR", "ENV_CPU_DEVICES", "ENV_INITIALIZED", "ENV_JAX_CPU_DEVICES", "ENV_NUM_PROCESSES",
            "ENV_PROCESS_ID", "RUN_VARS", "CaptureSink", "ConsoleSink", "JobResult", "LaunchInfo", "ProcessSpec",
-           "Sink", "Stream", "TuningBackend", "World", "child_env", "configure_guard", "configure_watchdog",
+           "Sink", "Stream", "TuningBackend", "World", "child_env", "configure_guard", "configure_watchdog", "cpu_collectives",
            "detect_launch", "device_grid", "flat_mesh", "grid_mesh", "host_replicate", "initialize", "launch",
            "limited_cpus", "malloc_env", "mpirun_spec", "process_env", "rank_specs", "restart_with_malloc_env",
            "run_processes", "tuning_backend", "world"]

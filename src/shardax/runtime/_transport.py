@@ -89,8 +89,7 @@ def cpu_collectives() -> Transport:
 
     Example:
         >>> import shardax as sx
-        >>> from shardax.runtime._transport import cpu_collectives
-        >>> cpu_collectives() in ("gloo", "mpi")
+        >>> sx.runtime.cpu_collectives() in ("gloo", "mpi")
         True
     """
     return _chosen
