@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import comm, fft, fields
@@ -128,7 +129,7 @@ def _linear_fn(setup: Setup, source_key: Any) -> Callable[..., jax.Array]:
 
     def body(noise: jax.Array, table: jax.Array | None) -> jax.Array:
         modes, _ = local_linear_modes(setup, noise, _power_fn(source, setup, table))
-        return fft.local_irfftn(modes, spec=setup.spec, layout=setup.fft_layout, s=(setup.n,) * 3)
+        return fft.local_irfftn(modes, spec=setup.spec, layout=setup.fft_layout, s=(setup.n, setup.n, setup.n))
     return smap(body, in_specs=(setup.spec, _REPLICATED), out_specs=setup.spec, mesh=setup.mesh, expand=False,
                 jit=True)
 
@@ -308,7 +309,7 @@ def pm_forces(part: Any, *, box: float, mesh_per_side: int, mesh: Mesh | None = 
     setup = _forces_setup(part, box, mesh_per_side, mesh, gradient, deconvolve, capacity, "pm_forces")
     cap = setup.capacity
     forces, needed = _forces_fn(setup)(part.pos, jnp.asarray(part.num, jnp.int32))
-    if not isinstance(needed, jax.core.Tracer) and int(needed) > cap:
+    if not isinstance(needed, Tracer) and int(needed) > cap:
         raise CapacityError(f"pm_forces: a device had to receive {int(needed)} particles but capacity is {cap}; "
                             f"pass capacity={int(needed)} or more", needed=int(needed), available=cap,
                             argument="capacity")

@@ -185,7 +185,8 @@ def growth(cosmo: Cosmology, a: Any) -> Growth:
 
 
 def _growth(cosmo: Cosmology, a: jax.Array) -> Growth:
-    return interpolate_growth(cosmo, *_growth_table(cosmo), a)
+    values, derivs = _growth_table(cosmo)
+    return interpolate_growth(cosmo, values, derivs, a)
 
 
 def growth_tables(cosmo: Cosmology) -> tuple[jax.Array, jax.Array]:

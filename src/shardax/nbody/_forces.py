@@ -31,10 +31,10 @@ def local_pm_forces(setup: Setup, pos: jax.Array, num: jax.Array | None = None) 
     """
     nm = setup.nm
     if num is None:
-        num, total = jnp.int32(pos.shape[0]), setup.n**3
+        count, total = jnp.int32(pos.shape[0]), setup.n**3
     else:
-        total = comm.allreduce(num).astype(pos.dtype)
-    part = Particles(pos=wrap(pos, setup.box), num=num)
+        count, total = num, comm.allreduce(num).astype(pos.dtype)
+    part = Particles(pos=wrap(pos, setup.box), num=count)
     rho, needed = fields.local_paint(part, (nm, nm, nm), box=setup.box, spec=setup.spec, capacity=setup.capacity)
     delta = rho * (nm**3 / total) - 1
     kern = Kernels(setup, nm, pos.dtype)
