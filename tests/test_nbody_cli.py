@@ -120,6 +120,7 @@ def test_files_identical_whatever_the_layout(runs: dict[str, Path]) -> None:
         np.testing.assert_allclose(pk["k [h/Mpc]"], pk0["k [h/Mpc]"], rtol=1e-5)
         np.testing.assert_allclose(pk["P(k) [(Mpc/h)^3]"], pk0["P(k) [(Mpc/h)^3]"], rtol=1e-4)
         np.testing.assert_allclose(pk["linear P(k) [(Mpc/h)^3]"], pk0["linear P(k) [(Mpc/h)^3]"], rtol=1e-4)
+        np.testing.assert_allclose(pk[POWER_COLUMNS[4]], pk0[POWER_COLUMNS[4]], rtol=1e-4)
         g, t = _halos(runs[name])
         for key in ("Ngroups_Total", "Nids_Total", "BoxSize", "Redshift", "Time"):
             np.testing.assert_array_equal(g[key], g0[key], err_msg=f"{name}: fof Header/{key}")
@@ -132,10 +133,16 @@ def test_files_identical_whatever_the_layout(runs: dict[str, Path]) -> None:
 def _power_numpy(pos: np.ndarray, box: float, cells: int, edges: np.ndarray) -> tuple[np.ndarray, ...]:
     """CIC-compensated, binned P(k) of particles: plain NumPy (half spectrum, conjugates counted, no zero mode)."""
     rho = cic_numpy(pos.astype(np.float64), np.ones(len(pos)), (cells,) * 3, box)
-    delta = rho / rho.mean() - 1
+    return _power_numpy_field(rho / rho.mean() - 1, box, edges, compensate=True)
+
+
+def _power_numpy_field(delta: np.ndarray, box: float, edges: np.ndarray, *, compensate: bool = False
+                       ) -> tuple[np.ndarray, ...]:
+    cells = delta.shape[0]
     freq = [np.fft.fftfreq(cells, box / cells)] * 2 + [np.fft.rfftfreq(cells, box / cells)]
     kx, ky, kz = (2 * np.pi * f for f in np.meshgrid(*freq, indexing="ij"))
-    window = np.prod([np.sinc(c * box / cells / (2 * np.pi)) ** 2 for c in (kx, ky, kz)], axis=0)
+    window = np.prod([np.sinc(c * box / cells / (2 * np.pi)) ** 2 for c in (kx, ky, kz)], axis=0) if compensate \
+        else 1.0
     spectrum = np.abs(np.fft.rfftn(delta) / window) ** 2 * box**3 / cells**6
     k = np.sqrt(kx**2 + ky**2 + kz**2)
     j = np.arange(cells // 2 + 1)[None, None, :]
@@ -166,6 +173,14 @@ def test_power_spectrum_csv(runs: dict[str, Path]) -> None:
     ratio = np.sum(got["modes"][large] * got["P(k) [(Mpc/h)^3]"][large]) / \
         np.sum(got["modes"][large] * got["linear P(k) [(Mpc/h)^3]"][large])
     assert 0.6 < ratio < 1.6
+    # Against the run's own initial field (no cosmic variance), the largest scale grew as D(a)^2.
+    growth = got["P(k) [(Mpc/h)^3]"][0] / got[POWER_COLUMNS[4]][0]
+    assert abs(growth - 1) < 0.05, growth
+    noise = sx.nbody.white_noise(OPTIONS.particles, seed=OPTIONS.seed, mesh=make_mesh((1,)))
+    field = np.asarray(sx.nbody.linear_field(noise, box=OPTIONS.box, cosmo=sx.nbody.Cosmology(),
+                                             mesh=make_mesh((1,))), np.float64)
+    _, initial, _ = _power_numpy_field(field, OPTIONS.box, edges)
+    np.testing.assert_allclose(got[POWER_COLUMNS[4]], initial, rtol=1e-3)
 
 
 def test_halo_catalogue_matches_scipy(runs: dict[str, Path]) -> None:
@@ -189,7 +204,7 @@ def test_progress_and_plots(runs: dict[str, Path]) -> None:
     assert "2 process(es) x 4 CPU device(s), 8 in the mesh" in log
     for step in ("[1/5] particle-mesh N-body", "[2/5] friends-of-friends", "[5/5] plots"):
         assert step in log, log
-    assert "compiled" in log and "P(k) / linear" in log and "halos (>= 10)" in log
+    assert "compiled" in log and "P(k) / linear" in log and "linear growth" in log and "halos (>= 10)" in log
     for name in ("power_spectrum.png", "density_slice.png", "halo_mass_function.png"):
         assert (runs["processes_2x4"] / name).stat().st_size > 10_000
     assert not (runs["one_device"] / "power_spectrum.png").exists()  # plots=False

@@ -24,7 +24,8 @@ RHO_CRIT = 2.77536627e11
 UNITS = {"UnitLength_in_cm": 3.085678e24, "UnitMass_in_g": 1.989e43, "UnitVelocity_in_cm_per_s": 1e5}
 MASS_UNIT = 1e10  # Msun/h
 
-POWER_COLUMNS = ("k [h/Mpc]", "P(k) [(Mpc/h)^3]", "modes", "linear P(k) [(Mpc/h)^3]")
+POWER_COLUMNS = ("k [h/Mpc]", "P(k) [(Mpc/h)^3]", "modes", "linear P(k) [(Mpc/h)^3]",
+                 "linear P(k) of this realisation [(Mpc/h)^3]")
 
 
 def omega_m(cosmo: Any) -> float:
@@ -81,12 +82,15 @@ def write_snapshot_file(path: str, rows: dict[str, np.ndarray], options: Any, co
     return path
 
 
-def write_power_csv(path: str, k: np.ndarray, pk: np.ndarray, modes: np.ndarray, linear: np.ndarray) -> str:
-    """``k, P(k), modes, linear P(k)`` with a header row naming the units; process 0 only. Returns ``path``."""
+def write_power_csv(path: str, k: np.ndarray, pk: np.ndarray, modes: np.ndarray, linear: np.ndarray,
+                    realisation: np.ndarray) -> str:
+    """``k, P(k), modes, linear P(k)`` (theory) and the linear ``P(k)`` of this run's initial field (measured,
+    grown to the final time; ``nan`` beyond the particle grid's Nyquist wavenumber) with a header row naming the
+    units; process 0 only. Returns ``path``."""
     with open(path + ".tmp", "w") as f:
         f.write(",".join(POWER_COLUMNS) + "\n")
-        for row in zip(k, pk, modes, linear, strict=True):
-            f.write(f"{row[0]:.8e},{row[1]:.8e},{int(row[2])},{row[3]:.8e}\n")
+        for row in zip(k, pk, modes, linear, realisation, strict=True):
+            f.write(f"{row[0]:.8e},{row[1]:.8e},{int(row[2])},{row[3]:.8e},{row[4]:.8e}\n")
     os.replace(path + ".tmp", path)
     return path
 

@@ -196,33 +196,42 @@ def gather(part: Any) -> dict[str, np.ndarray]:
 
 
 def _power(nbody: Any, cosmo: Any, part: Any, options: NbodyOptions, mesh: Mesh, a_end: float
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``(k, P(k), modes, linear P(k) at a_end)`` of the final particles on the PM mesh, CIC-compensated; linear
-    bins of width the fundamental wavenumber up to the mesh's Nyquist wavenumber."""
+           ) -> tuple[np.ndarray, ...]:
+    """``(k, P(k), modes, linear P(k), linear P(k) of this realisation)`` at ``a_end``: the final particles' power on
+    the PM mesh (CIC-compensated), the theory, and the measured power of the run's own linear field (same white
+    noise) grown to ``a_end``, which has the same cosmic variance as the particles; linear bins of width the
+    fundamental wavenumber up to the mesh's Nyquist wavenumber."""
     from .. import CapacityError
-    from ..fields import paint, power_spectrum
+    from ..fields import bin_edges, paint, power_spectrum
 
-    cells = options.particles * options.mesh_factor
+    n, cells, box = options.particles, options.particles * options.mesh_factor, options.box
+    edges = [float(e) for e in bin_edges(cells // 2 - 1, (cells, cells, cells), box)]
     # Clustered particles: a device may receive more than it holds; start with half as many again, redo once with
     # what was needed.
     capacity = int(part.pos.shape[1]) * 3 // 2
     try:
-        rho = paint(part, (cells, cells, cells), box=options.box, mesh=mesh, capacity=capacity)
+        rho = paint(part, (cells, cells, cells), box=box, mesh=mesh, capacity=capacity)
     except CapacityError as err:
         needed = int(err.needed or 2 * capacity)
-        rho = paint(part, (cells, cells, cells), box=options.box, mesh=mesh, capacity=needed + needed // 8)
-    delta = rho * (cells**3 / options.particles**3) - 1.0
-    k, pk, modes = power_spectrum(delta, box=options.box, bins=cells // 2 - 1)
+        rho = paint(part, (cells, cells, cells), box=box, mesh=mesh, capacity=needed + needed // 8)
+    delta = rho * (cells**3 / n**3) - 1.0
+    k, pk, modes = power_spectrum(delta, box=box, bins=edges)
     k = np.asarray(k, np.float64)
     linear = np.asarray(nbody.linear_power(cosmo, k, a=a_end), np.float64)
-    return k, np.asarray(pk, np.float64), np.asarray(modes, np.int64), linear
+    initial = nbody.linear_field(nbody.white_noise(n, seed=options.seed, mesh=mesh), box=box, cosmo=cosmo, mesh=mesh)
+    _, pk_initial, modes_initial = power_spectrum(initial, box=box, bins=edges, compensate=False)
+    growth = float(np.asarray(nbody.growth_factor(cosmo, a_end)))
+    realisation = np.where(np.asarray(modes_initial) > 0, np.asarray(pk_initial, np.float64) * growth**2, np.nan)
+    return k, np.asarray(pk, np.float64), np.asarray(modes, np.int64), linear, realisation
 
 
 def _summary(steps: Progress, options: NbodyOptions, cosmo: Any, mass: float, power: tuple[np.ndarray, ...],
              catalogue: dict[str, np.ndarray], files: list[str]) -> None:
-    k, pk, modes, linear = power
+    k, pk, modes, linear, realisation = power
     large = k < 0.1
     ratio = float(np.sum(modes[large] * pk[large]) / np.sum(modes[large] * linear[large])) if large.any() else math.nan
+    first = k < max(0.05, float(k[0]) * 1.01)  # the issue's k < 0.05 h/Mpc, or the first bin of a small box
+    growth = float(np.sum(modes[first] * pk[first]) / np.sum(modes[first] * realisation[first]))
     counts = catalogue["count"]
     total = sum(steps.times.values())
     compiling = sum(count.compile_s for count in steps.compiles.values())
@@ -230,7 +239,10 @@ def _summary(steps: Progress, options: NbodyOptions, cosmo: Any, mass: float, po
         "",
         f"cosmology         {_cosmology_text(cosmo)}",
         f"particle mass     {mass:.4g} Msun/h",
-        f"P(k) / linear     {ratio:.3f} at k < 0.1 h/Mpc (mode-weighted; cosmic variance of this box included)",
+        f"P(k) / linear     {ratio:.3f} at k < 0.1 h/Mpc against the theory (mode-weighted; this box's cosmic "
+        "variance included)",
+        f"linear growth     {growth:.4f} = P(k) / its own initial P(k) x D(a)^2 at k < {float(k[first].max()) * 1.01:.3g} "
+        "h/Mpc (same realisation: no cosmic variance)",
         f"halos (>= {options.min_members:d})     {len(counts)} (FoF b = {options.linking_length:g}), holding "
         f"{int(counts.sum())} particles ({100 * counts.sum() / options.particles**3:.1f}%)"
         + (f"; largest {counts.max() * mass:.3g} Msun/h ({counts.max()} particles)" if len(counts) else ""),

@@ -22,9 +22,10 @@ DPI = 150
 def power_plot(path: str, power: tuple[np.ndarray, ...], box: float, particles: int, z: float,
                linear_curve: tuple[np.ndarray, np.ndarray] | None = None) -> str:
     """``P(k)`` of the final particles with the linear theory (``linear_curve``: a finer ``(k, P)`` than the bins)
-    and the shot-noise level; below, their ratio with the scatter that cosmic variance gives each bin."""
+    and the shot-noise level; below, their ratio with the scatter that cosmic variance gives each bin, and the ratio
+    to the linear power of the run's own initial field (free of cosmic variance)."""
     plt = pyplot()
-    k, pk, modes, linear = power
+    k, pk, modes, linear, realisation = power
     k_nyq = math.pi * particles / box
     fig, (ax, ratio) = plt.subplots(2, 1, figsize=(5.5, 5.4), sharex=True, gridspec_kw={"height_ratios": (3, 1.4)})
     shown = pk > 0
@@ -42,8 +43,11 @@ def power_plot(path: str, power: tuple[np.ndarray, ...], box: float, particles: 
     scatter = np.sqrt(2.0 / np.maximum(modes, 1))
     ratio.fill_between(k, 1 - scatter, 1 + scatter, color="gray", alpha=0.25, lw=0,
                        label="cosmic variance $\\pm\\sqrt{2/N_\\mathrm{modes}}$")
-    ratio.semilogx(k[shown], pk[shown] / linear[shown], "o-", ms=3, color="C0")
-    ratio.legend(fontsize=7, frameon=False, loc="lower left")
+    ratio.semilogx(k[shown], pk[shown] / linear[shown], "o-", ms=3, color="C0", label="over linear theory")
+    own = shown & np.isfinite(realisation) & (realisation > 0)
+    ratio.semilogx(k[own], pk[own] / realisation[own], "s", ms=2.5, color="C1",
+                   label="over the linear $P(k)$ of its own initial field")
+    ratio.legend(fontsize=7, frameon=False, loc="upper left")
     ratio.axhline(1.0, color="black", lw=0.8)
     ratio.set_ylabel("$P / P_\\mathrm{lin}$")
     ratio.set_xlabel("$k$  [$h/\\mathrm{Mpc}$]")
