@@ -83,7 +83,7 @@ def hubble_rate(cosmo: Cosmology, a: Any) -> jax.Array:
 
     Example:
         >>> import shardax as sx
-        >>> float(sx.nbody.hubble_rate(sx.nbody.Cosmology(), 1.0))
+        >>> round(float(sx.nbody.hubble_rate(sx.nbody.Cosmology(), 1.0)), 4)
         1.0
     """
     import jax_cosmo
