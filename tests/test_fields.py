@@ -224,3 +224,38 @@ def test_non_finite_positions_are_counted(ndev: int) -> None:
             sx.fields.readout(rho, with_rows(bad, bad), box=1.0)
     with pytest.raises(ValueError, match="do not fit the periodic box"):  # a finite row far outside: reported first
         sx.fields.paint(with_rows(np.nan, 7.0), (8, 8, 8), box=1.0)
+
+
+@pytest.mark.parametrize("mesh_shape", [(1,), (8,)], ids=str)
+def test_nan_in_padding_rows_reaches_no_field(mesh_shape: tuple[int, ...]) -> None:
+    """Padding rows are not particles: NaN there changes neither the painted field nor the read values (NaN x 0 mass
+    used to give a NaN field)."""
+    mesh = make_mesh(mesh_shape)
+    part, _, _ = _particles(mesh, n=500)
+    rows = np.arange(part.pos.shape[1])[None, :] >= np.asarray(part.num)[:, None]
+    assert rows.any()
+    dirty = sx.particles.Particles(pos=jnp.where(jnp.asarray(rows)[..., None], jnp.nan, part.pos), num=part.num,
+                                   mass=part.mass, ids=part.ids)
+    dirty = jax.device_put(dirty, jax.tree.map(lambda a: a.sharding, part))
+    clean_rho = sx.fields.paint(part, (8, 8, 8), box=1.0)
+    rho = sx.fields.paint(dirty, (8, 8, 8), box=1.0)
+    assert np.all(np.isfinite(np.asarray(rho)))
+    np.testing.assert_array_equal(np.asarray(rho), np.asarray(clean_rho))
+    values = sx.fields.readout(rho, dirty, box=1.0)
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(sx.fields.readout(rho, part, box=1.0)))
+
+
+def test_paint_gradient_is_the_readout() -> None:
+    """The global paint is differentiable: d/d mass_i of sum(rho * w) is w read out at particle i (CIC is linear in
+    the masses, and readout is its transpose). Its checks (bounds, counts) are not differentiated."""
+    mesh = make_mesh((1,))
+    part, pos, _ = _particles(mesh, n=300)
+    w = jnp.asarray(np.random.default_rng(1).random((8, 8, 8)), jnp.float32)
+
+    def loss(mass: jax.Array) -> jax.Array:
+        rho = sx.fields.paint(sx.particles.Particles(pos=part.pos, num=part.num, mass=mass, ids=part.ids), (8, 8, 8),
+                              box=1.0)
+        return jnp.sum(rho * w)
+
+    grad = np.asarray(jax.grad(loss)(part.mass))[0, :300]
+    assert_allclose(grad, readout_numpy(np.asarray(w, np.float64), pos.astype(np.float64), 1.0), dtype=np.float32)

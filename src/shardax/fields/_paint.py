@@ -38,16 +38,17 @@ def _to_owners(part: Any, grid: Grid, capacity: int, extra: dict[str, jax.Array]
     Returns the received rows, their count and the largest count any device had to receive (for the error). On one
     device (decided at trace time) the rows stay in place: no destinations, counts or exchange.
     """
-    tree = {"pos": part.pos, **extra}
+    n = row_count(part)
+    valid = jnp.arange(n, dtype=jnp.int32) < part.num
+    # Padding rows may hold anything (NaN included): zeros keep them finite here, in the exchange and in gradients.
+    tree = {"pos": jnp.where(valid[:, None], part.pos, 0), **extra}
     _, size, _ = rank_info()
     if size == 1:
         num = jnp.asarray(part.num, jnp.int32)
         needed = comm.allreduce(num, "max")  # (the same value, typed as replicated over a size-1 mesh axis)
         return {name: _resized(a, capacity) for name, a in tree.items()}, jnp.minimum(num, capacity), needed
-    n = row_count(part)
-    lower, _ = cell_index(part.pos, grid)
+    lower, _ = cell_index(tree["pos"], grid)
     dest = grid.owner(lower)
-    valid = jnp.arange(n) < part.num
     # Counted by compare-and-sum (no histogram scatter-add: a GPU serialises adds onto the same few addresses).
     needed = jnp.max(comm.allreduce(count_by_rank(jnp.where(valid, dest, size), size)))
     moved, num, _ = comm.exchange(tree, dest, num=part.num, capacity=capacity)
@@ -108,7 +109,7 @@ def _check(part: Any, where: str) -> None:
 
 def _nonfinite(part: Any) -> jax.Array:
     """Valid rows with a NaN or infinite coordinate, over every device of the context."""
-    valid = jnp.arange(row_count(part)) < part.num
+    valid = jnp.arange(row_count(part), dtype=jnp.int32) < part.num
     return comm.allreduce(jnp.sum(valid & ~jnp.all(jnp.isfinite(part.pos), axis=1), dtype=jnp.int32))
 
 
@@ -176,8 +177,9 @@ def local_paint(part: Any, shape: Sequence[int], *, box: Any, spec: Any = None, 
     mass = jnp.ones((n,), part.pos.dtype) if getattr(part, "mass", None) is None else \
         jnp.broadcast_to(jnp.asarray(part.mass, part.pos.dtype), (n,))
     moved, num, needed = _to_owners(part, grid, capacity, {"mass": mass})
-    lower, frac = cell_index(moved["pos"], grid)
-    weight = jnp.where(jnp.arange(capacity) < num, moved["mass"], 0)
+    received = jnp.arange(capacity, dtype=jnp.int32) < num
+    lower, frac = cell_index(jnp.where(received[:, None], moved["pos"], 0), grid)
+    weight = jnp.where(received, moved["mass"], 0)
     padded_shape = tuple(b + (1 if g else 0) for b, g in zip(grid.block, grid.split, strict=True))
     starts = grid.block_start()
     padded = jnp.zeros(padded_shape, part.pos.dtype)
@@ -225,16 +227,17 @@ def local_readout(field: jax.Array, part: Any, *, box: Any, spec: Any = None, ca
     extra = {} if size == 1 else {"row": jnp.arange(n, dtype=jnp.int32), "origin": jnp.full((n,), rank, jnp.int32)}
     moved, num, needed = _to_owners(part, grid, capacity, extra)
     padded = extend_halo(field, grid)
-    lower, frac = cell_index(moved["pos"], grid)
+    received = jnp.arange(capacity, dtype=jnp.int32) < num
+    lower, frac = cell_index(jnp.where(received[:, None], moved["pos"], 0), grid)
     starts = grid.block_start()
     values = jnp.zeros((capacity,), jnp.result_type(field))
     for corner in _CORNERS:
         index = _local_corner(lower, corner, grid, starts)
         values = values + padded.at[index].get(mode="fill", fill_value=0) * _weights(frac, corner)
     if size == 1:  # the rows never left
-        return jnp.where(jnp.arange(n) < num, _resized(values, n), 0), needed
+        return jnp.where(jnp.arange(n, dtype=jnp.int32) < num, _resized(values, n), 0), needed
     back, _, _ = comm.exchange({"value": values, "row": moved["row"]}, moved["origin"], num=num, capacity=n)
-    rows = jnp.where(jnp.arange(n) < part.num, back["row"], n)
+    rows = jnp.where(jnp.arange(n, dtype=jnp.int32) < part.num, back["row"], n)
     out = jnp.zeros((n,), values.dtype).at[rows].set(back["value"], mode="drop")
     return out, needed
 

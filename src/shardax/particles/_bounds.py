@@ -101,7 +101,8 @@ def check_part(part: Any, box: Any, where: str) -> None:
 def mapped_bounds(pos: jax.Array, num: Any) -> tuple[jax.Array, jax.Array]:
     """Inside a mapped kernel: the per-axis min and max of the valid finite rows of ``pos (n, d)`` (``num`` valid
     rows) over every device (``inf``/``-inf`` without rows), for :func:`check_bounds` on the host after the call.
-    One collective (across processes each costs milliseconds)."""
+    One collective (across processes each costs milliseconds). Not differentiated (a check, not a result)."""
+    pos = lax.stop_gradient(pos)
     _, lower, upper = _reduce(pos, _valid_rows(pos, num))
     both = allreduce(jnp.concatenate([lower, -upper]), "min")
     return both[:pos.shape[-1]], -both[pos.shape[-1]:]
@@ -112,8 +113,10 @@ def mapped_checks(pos: jax.Array, num: Any) -> tuple[jax.Array, jax.Array, jax.A
     device) and :func:`mapped_bounds`, from one min/max pass over the positions when they are all finite.
 
     A NaN reaches the min or max and an infinite coordinate is one of them, so finite bounds prove every valid row
-    finite; only otherwise does a second pass count the bad rows and take the bounds of the finite ones.
+    finite; only otherwise does a second pass count the bad rows and take the bounds of the finite ones. Not
+    differentiated (a check, not a result).
     """
+    pos = lax.stop_gradient(pos)
     rows = jnp.arange(pos.shape[-2], dtype=jnp.int32)
     listed = rows < jnp.asarray(num, jnp.int32)
     lower = jnp.min(jnp.where(listed[:, None], pos, jnp.inf), axis=0)
