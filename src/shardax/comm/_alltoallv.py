@@ -415,6 +415,28 @@ def alltoallv_many(arrays: Sequence[jax.Array], send_counts: jax.Array, capacity
         overflow = send_counts[0] + (0 if recv_at is None else recv_at[0]) > capacity
         outs = _local_copy(arrays, send_counts[0], capacity, perm, recv_at, init, target, row_maps)
         return vary_over(outs, axes), recv_counts, overflow
+    if any(_inexact(a) for a in arrays) or any(_inexact(a) for a in init or ()):
+        # Float rows get a gradient rule (the chunked rounds move them as uint32 words, which autodiff sees as
+        # constants): see :mod:`shardax.comm._alltoallv_ad`.
+        from . import _alltoallv_ad as ad
+
+        return ad.differentiable(arrays, send_counts, capacity, axes, impl, chunk, perm=perm, recv_at=recv_at,
+                                 init=init, target=target, row_maps=row_maps, plan=plan)
+    return alltoallv_raw(arrays, send_counts, capacity, axes, impl, chunk, perm=perm, recv_at=recv_at, init=init,
+                         target=target, row_maps=row_maps, plan=plan)
+
+
+def _inexact(a: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(a), jnp.inexact)
+
+
+def alltoallv_raw(arrays: Sequence[jax.Array], send_counts: jax.Array, capacity: int, axes: tuple[str, ...],
+                  impl: Impl, chunk: Chunk, *, perm: jax.Array | None = None, recv_at: jax.Array | None = None,
+                  init: Sequence[jax.Array] | None = None, target: jax.Array | None = None,
+                  row_maps: Sequence[Any] | None = None, plan: tuple[jax.Array, jax.Array] | None = None
+                  ) -> tuple[list[jax.Array], jax.Array, jax.Array]:
+    """:func:`alltoallv_many` on two or more ranks, without a gradient rule (``send_counts`` checked, int32)."""
+    size = axes_size(axes)
     if plan is None and recv_at is None and init is None and target is None and mpi.mpi_active(axes):
         return _mpi_packed(arrays, send_counts, capacity, axes, perm, row_maps)
     recv_counts, largest = _exchange_counts_and_max(send_counts, axes) if plan is None else plan
