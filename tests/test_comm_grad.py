@@ -1,20 +1,34 @@
 """Gradients through sx.comm.alltoallv and sx.comm.exchange (a permutation of rows: the gradient is the reverse
-exchange) against NumPy references of the transposed permutation, on 1 and 8 devices."""
+exchange) against NumPy references of the transposed permutation, on 1 and 8 devices in one process and on 2
+processes x 4 CPU devices (through gloo, and through the MPI transport under mpirun).
+
+This module must not import conftest: the children of ``sx.testing.run_distributed`` import it by path and keep the
+device count of the launcher. Module-level code stays free of JAX computations.
+"""
 
 from __future__ import annotations
+
+import importlib.util
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import shardax as sx
-from conftest import make_mesh
 from shardax.comm._alltoallv import alltoallv_many
 
 MESHES = [(1,), (8,), (2, 4)]
+
+
+def make_mesh(shape: tuple[int, ...]) -> Mesh:
+    """A mesh over the first prod(shape) CPU devices, axes named x, y."""
+    count = int(np.prod(shape))
+    return Mesh(np.asarray(jax.devices()[:count]).reshape(shape), ("x", "y")[:len(shape)])
 
 
 def _alltoallv_reference(counts: np.ndarray, weights: np.ndarray, rows: int) -> np.ndarray:
@@ -194,3 +208,72 @@ def test_local_paint_grad_8_devices_matches_1():
     for g1, g8 in zip(one, eight, strict=True):
         assert np.abs(g1).sum() > 0
         np.testing.assert_allclose(g8, g1, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- 2 processes x 4
+
+
+def _global(a: np.ndarray, mesh: Mesh) -> jax.Array:
+    """``a`` (the same in every process) sharded along its leading axis over every device of ``mesh``."""
+    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, P(mesh.axis_names)), lambda index: a[index])
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _problem(size: int) -> dict:
+    rng = np.random.default_rng(11)
+    rows, capacity = 12, 20
+    return {"x": rng.normal(size=(size, rows, 2)).astype(np.float32), "counts": _counts(rng, size, rows),
+            "weights": rng.normal(size=(size, capacity, 2)).astype(np.float32),
+            "dest": rng.integers(0, size, (size, rows)).astype(np.int32), "capacity": capacity}
+
+
+def _distributed_body() -> dict:
+    """alltoallv (chunk 2: several rounds) and exchange gradients on every device of the run."""
+    from shardax.runtime import cpu_collectives
+
+    mesh = sx.flat_mesh()
+    data = _problem(mesh.size)
+    capacity = data["capacity"]
+    x, counts, weights, dest = (_global(data[k], mesh) for k in ("x", "counts", "weights", "dest"))
+
+    def body(x, counts, weights, dest):
+        got, _, _ = sx.comm.alltoallv(x, counts, capacity=capacity, chunk=2)
+        moved, _, _ = sx.comm.exchange({"v": x}, dest, num=x.shape[0], capacity=capacity)
+        return (jnp.sum(got * weights) + 2 * jnp.sum(moved["v"] * weights))[None]
+
+    spec = P(sx.ALL)
+    f = sx.smap(body, in_specs=(spec,) * 4, out_specs=spec, mesh=mesh)
+    grad = jax.jit(jax.grad(lambda x, *rest: jnp.sum(f(x, *rest))))(x, counts, weights, dest)
+    return {"grad": _host(grad), "transport": cpu_collectives(), "size": mesh.size}
+
+
+def _distributed_expected(size: int) -> np.ndarray:
+    data = _problem(size)
+    n = data["x"].shape[1]
+    moved = _exchange_reference(data["dest"], np.full(size, n), {"v": data["weights"]}, data["capacity"])["v"]
+    return _alltoallv_reference(data["counts"], data["weights"], n) + 2 * moved
+
+
+@pytest.mark.multiprocess
+def test_grad_two_processes_gloo(tmp_path) -> None:
+    (first, second) = sx.testing.run_distributed(_distributed_body, num_processes=2, cpu_devices=4)
+    assert first["size"] == 8 and first["transport"] == "gloo"
+    np.testing.assert_array_equal(first["grad"], second["grad"])
+    np.testing.assert_array_equal(first["grad"], _distributed_expected(8))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None or importlib.util.find_spec("mpi4py") is None,
+                    reason="needs Open MPI's mpirun and mpi4py")
+def test_grad_two_processes_mpi(tmp_path) -> None:
+    (first, second) = sx.testing.run_distributed(_distributed_body, num_processes=2, cpu_devices=4,
+                                                 launcher="mpirun")
+    assert first["size"] == 8 and first["transport"] == "mpi"
+    np.testing.assert_array_equal(first["grad"], second["grad"])
+    np.testing.assert_array_equal(first["grad"], _distributed_expected(8))
