@@ -528,6 +528,9 @@ def alltoallv(x: jax.Array, send_counts: jax.Array, *, capacity: int, axis: Axis
         (even when they did not all fit); ``overflow`` is true on a rank that received more than ``capacity`` rows
         (the rows past ``capacity`` were not stored: raise ``capacity`` and call again).
 
+    Differentiable in ``x`` (floating dtypes; reverse mode): the gradient is the reverse exchange, each received
+    row's cotangent back to the row it came from; rows that did not fit get zero.
+
     Example:
         >>> import jax.numpy as jnp, shardax as sx
         >>> from jax.sharding import PartitionSpec as P
@@ -593,6 +596,9 @@ def exchange(tree: Any, dest: jax.Array, *, num: jax.Array | int, capacity: int,
         ``(tree, num, overflow)``: leaves with leading length ``capacity``; ``num`` int32 rows now held (at most
         ``capacity``); ``overflow`` true on a rank that received more than ``capacity`` rows, or that was asked to
         send a valid row to a rank outside ``[0, size)`` (such rows are not sent).
+
+    Differentiable in the floating leaves (reverse mode): the gradient is the reverse exchange, each row's
+    cotangent back to the row it came from; rows not sent or not stored get zero, integer leaves none.
 
     Example:
         >>> import jax.numpy as jnp, shardax as sx
