@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -161,3 +162,21 @@ def test_same_catalogue_at_one_and_two_processes(tmp_path) -> None:
     _same(shared, one)
     _same(ranked, one)
     assert int(shared["Header"]["NumFiles"]) == 1 and int(ranked["Header"]["NumFiles"]) == 2
+
+
+@pytest.mark.multiprocess
+def test_every_process_loads_the_cached_programs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the jobs' cache settings, the second run of a 2-process program loads it from the cache on every process
+    (the per-process CPU topology fingerprint no longer splits the key), and the result is the same."""
+    script = Path(__file__).parent / "scripts" / "cache_keys.py"
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "cache"))
+    runs = []
+    for _ in range(2):
+        result = sx.testing.launch_script(str(script), "3.0", num_processes=2, cpu_devices=2, timeout_s=300)
+        assert result.returncode == 0, result.output
+        runs.append(result.output)
+    for rank in (0, 1):
+        first = next(line for line in runs[0].splitlines() if f"process {rank}:" in line)
+        second = next(line for line in runs[1].splitlines() if f"process {rank}:" in line)
+        assert "total 60.0" in first and "total 60.0" in second, (first, second)   # 4 devices x 5 x 3
+        assert " misses 0 " in second and " hits 0 " not in second, second

@@ -4,11 +4,21 @@ JAX compiles every program of a job on its first run; with the cache on, a secon
 The settings go into this process's JAX configuration and into the environment, so the processes a job launches
 (``--processes``, ``shardax launch``) use the same cache. Programs that call back into Python (host callbacks) are
 never written to the cache by JAX: they compile on every run.
+
+On CPU, JAX (0.10-0.11) hashes a fingerprint of the device topology into each cache key, and that fingerprint
+differs between the processes of one run: the entries process 0 writes (JAX writes from process 0 only) were never
+found by the others, which compiled everything again on every run. The jobs key CPU programs by their devices' kinds
+and count instead (what JAX itself does for backends without a topology fingerprint); the program, its device
+assignment, the compile options, the backend version and the XLA flags stay in the key, so the same program on
+every process of a run gets the same key and loads the same executable. (JAX's
+``jax_share_binary_between_hosts``, which would also spare the other processes the first compilation, is left off:
+where keys still differ, e.g. on GPUs, its processes wait for each other's keys until a 20-minute timeout.)
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 # JAX reads these when it is imported; the launched processes inherit them.
 _ENV_DIR = "JAX_COMPILATION_CACHE_DIR"
@@ -27,6 +37,28 @@ def cache_help() -> str:
     """The ``--no-cache`` help line of every job."""
     return (f"compile every program anew instead of using the persistent compilation cache (default on, in "
             f"{default_cache_dir()}, or $JAX_COMPILATION_CACHE_DIR if set)")
+
+
+def _same_key_on_every_process() -> None:
+    """Key CPU programs by device kinds and count instead of the per-process topology fingerprint (module
+    docstring). Leaves JAX alone where its cache-key module does not look as expected, and on other platforms."""
+    try:
+        from jax._src import cache_key
+    except ImportError:  # pragma: no cover - another JAX layout: keep its keys
+        return
+    original = getattr(cache_key, "_hash_accelerator_config", None)
+    by_kind = getattr(cache_key, "_hash_devices", None)
+    if original is None or by_kind is None or getattr(original, "shardax_cpu_key", False):
+        return
+
+    def hash_accelerator_config(hash_obj: Any, accelerators: Any) -> None:
+        if all(getattr(d, "platform", None) == "cpu" for d in getattr(accelerators, "flat", ())):
+            by_kind(hash_obj, accelerators)
+        else:
+            original(hash_obj, accelerators)
+
+    hash_accelerator_config.shardax_cpu_key = True  # type: ignore[attr-defined]
+    cache_key._hash_accelerator_config = hash_accelerator_config
 
 
 def use_compilation_cache(enabled: bool) -> str | None:
@@ -53,4 +85,5 @@ def use_compilation_cache(enabled: bool) -> str | None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _same_key_on_every_process()
     return path
