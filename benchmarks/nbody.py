@@ -4,6 +4,7 @@
     python benchmarks/nbody.py --section forces --n 128
     python benchmarks/nbody.py --section jaxpm --n 32 --steps 10
     python benchmarks/nbody.py --section memory
+    python benchmarks/nbody.py --section growth --n 64
 
 forces: one PM force evaluation (paint, rfftn, Poisson, gradient, irfftn, readout) of n^3 particles on an n^3 mesh
         by ``sx.nbody.pm_forces`` on 1 device and on 8 CPU devices (slabs), and JaxPM 0.1.6's ``pm_forces`` on one
@@ -13,6 +14,9 @@ jaxpm:  the same white noise through ``sx.nbody.simulate`` (2LPT + FastPM KDK) a
         ratio of the final P(k) below k_Nyquist / 2 and the particle displacement differences in cells.
 memory: temporary bytes of the compiled ``jax.grad`` of a final-density loss for 10 and 40 steps (XLA's
         ``memory_analysis``), one device.
+growth: 2LPT + 10 PM steps from a = 0.1 in 1 Gpc/h, the power scaled by 1e-4 (linear regime; ``--scale``):
+        ``P_final / P_initial / D^2`` of the same realisation below k = 0.053 h/Mpc, both densities on a 4x mesh,
+        for the force mesh 1x and 2x the particle grid, with and without deconvolution, one device.
 JaxPM needs ``pip install jaxpm==0.1.6 jaxdecomp==0.3.1 jaxtyping`` (jax-cosmo comes with ``shardax[nbody]``).
 """
 
@@ -69,7 +73,8 @@ def forces(n: int) -> dict:
     from jaxpm.pm import pm_forces as jaxpm_pm_forces
 
     box = 2.0 * n
-    cases, result = {}, {"n": n}
+    cases: dict = {}
+    result: dict = {"n": n}
     for ndev in (1, 8):
         part = sx.nbody.lpt(COSMO, sx.nbody.white_noise(n, mesh=_mesh(ndev)), box=box, a=0.5, mesh=_mesh(ndev))
         cases[f"shardax_{ndev}dev"] = (lambda p=part: sx.nbody.pm_forces(p, box=box, mesh_per_side=n))
@@ -163,17 +168,43 @@ def memory(n: int = 32) -> dict:
             return jnp.sum(delta * delta)
 
         analysis = jax.jit(jax.grad(loss)).lower(noise).compile().memory_analysis()
+        assert analysis is not None
         out[f"{steps}_steps_temp_MiB"] = analysis.temp_size_in_bytes / 2**20
     out["n"] = n
     out["carry_MiB_per_step"] = 3 * n**3 * 3 * 4 / 2**20
     return out
 
 
+def growth(n: int, scale: float, factors: tuple[str, ...] = ("1", "2", "2d")) -> dict:
+    box, one = 1000.0, _mesh(1)
+
+    def linear(k: jax.Array) -> jax.Array:
+        return scale * sx.nbody.linear_power(COSMO, k)
+
+    edges = (np.arange(0.5, 9.5) * 2 * np.pi / box).tolist()
+
+    def power(part: sx.particles.Particles) -> tuple[np.ndarray, np.ndarray]:
+        delta = sx.nbody.density(part, box=box, mesh_per_side=4 * n, mesh=one)
+        k, pk, _ = sx.fields.power_spectrum(delta, box=box, bins=edges)
+        return np.asarray(k), np.asarray(pk)
+
+    d = np.asarray(sx.nbody.growth_factor(COSMO, jnp.asarray([0.1, 1.0])))
+    k, start = power(sx.nbody.lpt(COSMO, sx.nbody.white_noise(n, mesh=one), box=box, a=0.1, power=linear, mesh=one))
+    out: dict = {"n": n, "scale": scale, "k": [round(float(v), 4) for v in k]}
+    for factor in factors:
+        sim = sx.nbody.simulate(COSMO, particles_per_side=n, box=box, mesh_per_side=int(factor[0]) * n,
+                                a_start=0.1, steps=10, power=linear, deconvolve=factor.endswith("d"), mesh=one)
+        ratio = power(sim.particles)[1] / start / (d[1] / d[0]) ** 2
+        out[f"mesh {factor[0]}x" + (" deconvolve" if factor.endswith("d") else "")] = [round(float(v), 4) for v in ratio]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--section", choices=("all", "forces", "jaxpm", "memory"), default="all")
+    parser.add_argument("--section", choices=("all", "forces", "jaxpm", "memory", "growth"), default="all")
     parser.add_argument("--n", type=int, default=None, help="particles (and mesh) per side")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--scale", type=float, default=1e-4, help="growth: factor on the linear power")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     results = {"jax": jax.__version__, "date": time.strftime("%Y-%m-%d"), "load": os.getloadavg()}
@@ -186,6 +217,9 @@ def main() -> None:
     if args.section in ("all", "memory"):
         results["memory"] = memory()
         print(json.dumps(results["memory"]), flush=True)
+    if args.section in ("all", "growth"):
+        results["growth"] = growth(args.n or 64, args.scale)
+        print(json.dumps(results["growth"]), flush=True)
     results["load_end"] = os.getloadavg()
     if args.json:
         with open(args.json, "w") as f:

@@ -176,27 +176,32 @@ def test_simulate_same_at_every_scale() -> None:
 
 
 def test_linear_growth_on_large_scales() -> None:
-    """2LPT + 10 PM steps in a 1 Gpc/h box: P_final / P_initial over D^2 at k < 0.05 h/Mpc, the same realisation.
+    """2LPT + 10 PM steps in a 1 Gpc/h box: P_final / P_initial over D^2 within 1% at k < 0.05 h/Mpc (the same
+    realisation), 64^3 particles on a 128^3 force mesh with the painting window deconvolved.
 
-    At 32^3 particles on a 32^3 mesh the cloud-in-cell windows of painting and readout weaken the force at
-    ``k h ~ 1`` (see docs/nbody.md): the fundamental mode grows as D within 3%, higher modes a little less."""
-    n, box = 32, 1000.0
-    sim = sx.nbody.simulate(COSMO, particles_per_side=n, box=box, a_start=0.1, steps=10)
-    initial = sx.nbody.lpt(COSMO, sx.nbody.white_noise(n), box=box, a=0.1)
-    edges = np.arange(0.5, 8.5) * 2 * np.pi / box  # k < 0.05 h/Mpc
+    The power is scaled by 1e-4 (the linear regime: no mode coupling), so the check is on the force and the steps.
+    The densities are measured on a 4x mesh, whose window is the same for both. On the particle grid's own mesh the
+    cloud-in-cell windows of painting and readout weaken the force (ratio 0.89 at k = 0.044 h/Mpc)."""
+    n, box, mesh = 64, 1000.0, make_mesh((1,))  # (one device: the same run at 8 is checked above)
+
+    def linear(k: jax.Array) -> jax.Array:
+        return 1e-4 * sx.nbody.linear_power(COSMO, k)
+
+    edges = (np.arange(0.5, 8.5) * 2 * np.pi / box).tolist()  # k < 0.05 h/Mpc
 
     def power(part: sx.particles.Particles) -> tuple[np.ndarray, np.ndarray]:
-        delta = sx.nbody.density(part, box=box, mesh_per_side=n)
+        delta = sx.nbody.density(part, box=box, mesh_per_side=4 * n, mesh=mesh)
         k, pk, _ = sx.fields.power_spectrum(delta, box=box, bins=edges)
         return np.asarray(k), np.asarray(pk)
 
-    k, final = power(sim.particles)
-    _, start = power(initial)
     d = np.asarray(sx.nbody.growth_factor(COSMO, jnp.asarray([0.1, 1.0])))
-    ratio = final / start / (d[1] / d[0]) ** 2
+    k, start = power(sx.nbody.lpt(COSMO, sx.nbody.white_noise(n, mesh=mesh), box=box, a=0.1, power=linear,
+                                  mesh=mesh))
     assert np.all(k < 0.05)
-    assert abs(ratio[0] - 1) < 0.03, ratio
-    assert np.all(ratio < 1.01) and np.all(ratio > 0.5), ratio
+    sim = sx.nbody.simulate(COSMO, particles_per_side=n, box=box, mesh_per_side=2 * n, a_start=0.1, steps=10,
+                            power=linear, deconvolve=True, mesh=mesh)
+    ratio = power(sim.particles)[1] / start / (d[1] / d[0]) ** 2
+    np.testing.assert_allclose(ratio, 1.0, atol=0.01)
 
 
 def test_gradients_match_finite_differences() -> None:

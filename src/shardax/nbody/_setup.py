@@ -48,6 +48,13 @@ class Setup:
         return "transposed" if len(self.mesh.axis_names) == 1 else "same"
 
     @property
+    def mesh_offset(self) -> float:
+        """Where the force mesh's nodes sit, in mesh cells below the particles' Lagrangian grid: ``1/2`` for a mesh
+        twice as fine (the painted unperturbed lattice is then uniform: no comb at the mesh's Nyquist frequency),
+        else 0."""
+        return 0.5 if self.nm == 2 * self.n else 0.0
+
+    @property
     def local_count(self) -> int:
         """Particles per device."""
         return math.prod(self.layout(self.n).local_shape)

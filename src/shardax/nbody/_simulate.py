@@ -104,7 +104,8 @@ def evolve(cosmo: Cosmology, noise: jax.Array, *, box: float, a: Sequence[float]
         box: box side in Mpc/h.
         a: increasing scale factors, the step boundaries (``len(a) - 1`` steps).
         order: LPT order of the initial conditions, 1 or 2.
-        mesh_per_side: force mesh side (default ``n``).
+        mesh_per_side: force mesh side (default ``n``; ``2 n`` with ``deconvolve=True`` makes long waves grow as
+            linear theory to 1%, and puts the mesh nodes half a cell off the Lagrangian grid).
         power: a callable ``P(k)`` or ``(k, P)`` table in place of the cosmology's linear power.
         mesh: the mesh (default: the context mesh, else ``sx.flat_mesh()``).
         gradient: ``"fd4"`` or ``"spectral"`` force gradient (see :func:`pm_forces`).
@@ -150,7 +151,8 @@ def simulate(cosmo: Cosmology, *, particles_per_side: int, box: float, mesh_per_
         cosmo: the cosmology (:class:`Cosmology`).
         particles_per_side: ``n``: ``n^3`` particles on a grid (a power of two divisible by the mesh axes).
         box: box side in Mpc/h.
-        mesh_per_side: force mesh side (default ``n``; a power of two).
+        mesh_per_side: force mesh side (default ``n``; a power of two). ``2 n`` with ``deconvolve=True`` makes long
+            waves grow as linear theory to 1% (docs/nbody.md); its nodes then sit half a cell off the Lagrangian grid.
         a_start: initial scale factor (``>= 1e-3``).
         a_end: final scale factor (``<= 1``).
         steps: number of kick-drift-kick steps (``>= 1``).
