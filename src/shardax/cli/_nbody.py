@@ -41,7 +41,8 @@ def nbody_parser() -> argparse.ArgumentParser:
     sim.add_argument("--order", type=int, default=2, choices=(1, 2),
                      help="Lagrangian perturbation theory order of the initial conditions (default 2)")
     sim.add_argument("--mesh-factor", type=int, default=1, metavar="F",
-                     help="PM mesh cells per particle per side: an (F N)^3 mesh (default 1)")
+                     help="PM mesh cells per particle per side: an (F N)^3 mesh (default 1; 2 keeps large-scale "
+                          "growth within 1%% of linear theory, with paint's window deconvolved, at 8x the mesh cells)")
     cosmo = parser.add_argument_group("cosmology (default: Planck 2015, as sx.nbody.Cosmology())")
     for flag, text in (("--omega-c", "cold dark matter density parameter Omega_c"),
                        ("--omega-b", "baryon density parameter Omega_b"),

@@ -118,7 +118,8 @@ def run_job(options: NbodyOptions, *, mesh: Mesh | None = None, show: bool = Tru
 
     def simulate() -> Any:
         sim = nbody.simulate(cosmo, particles_per_side=n, box=box, mesh_per_side=cells, a_start=a_start,
-                             a_end=1.0, steps=options.steps, seed=options.seed, order=options.order, mesh=mesh)
+                             a_end=1.0, steps=options.steps, seed=options.seed, order=options.order, mesh=mesh,
+                             deconvolve=options.mesh_factor >= 2)
         return jax.block_until_ready(sim)
 
     sim = steps.run("particle-mesh N-body", simulate,
