@@ -21,11 +21,11 @@ def host(x: jax.Array) -> np.ndarray:
 
 
 def gathered(part: sx.particles.Particles) -> dict[str, np.ndarray]:
-    """Positions, velocities and ids of global particles sorted by id (host arrays)."""
-    ids = host(part.ids).reshape(-1)
-    order = np.argsort(ids)
-    return {"ids": ids[order], "pos": host(part.pos).reshape(-1, 3)[order],
-            "vel": host(part.vel).reshape(-1, 3)[order]}
+    """Positions, velocities and ids of global particles sorted by id (host arrays), through ``squeeze``: the
+    particles' ``num`` is split over the devices like their rows, as ``from_numpy`` gives it."""
+    rows = sx.particles.squeeze(part)
+    order = np.argsort(rows["ids"])
+    return {"ids": rows["ids"][order], "pos": rows["pos"][order], "vel": rows["vel"][order]}
 
 
 def run(mesh: object = None) -> dict:

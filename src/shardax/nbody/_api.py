@@ -172,7 +172,13 @@ def _rows_out(x: jax.Array) -> jax.Array:
 
 def _particles(setup: Setup, pos: jax.Array, mom: jax.Array, ids: jax.Array, a: jax.Array) -> Particles:
     """Global particles in the contract's units from the mapped program's `(ndev, n_local, ...)` outputs."""
-    num = jnp.full((pos.shape[0],), pos.shape[1], jnp.int32)
+    counts = np.full((pos.shape[0],), pos.shape[1], np.int32)
+    rows = pos.sharding
+    if isinstance(rows, NamedSharding):  # num split over the devices like the rows (as from_numpy gives it)
+        rows = NamedSharding(rows.mesh, PartitionSpec(rows.spec[0] if len(rows.spec) else None))
+        num = jax.make_array_from_callback(counts.shape, rows, lambda index: counts[index])
+    else:
+        num = jnp.asarray(counts)
     return Particles(pos=wrap(pos, setup.box), num=num, vel=mom * (_H0 / a).astype(mom.dtype), ids=ids)
 
 
