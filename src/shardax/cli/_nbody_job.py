@@ -169,9 +169,8 @@ def _order_name(order: int) -> str:
 
 
 def _with_mass(part: Any, mass: float) -> Any:
-    """``part`` with every particle's ``mass`` set, and ``num`` and ``mass`` split by rows over the devices as its
-    positions are (``sx.io.write_fof_table`` reads every field by device block; ``simulate`` may leave ``num`` on
-    one device)."""
+    """``part`` with every particle's ``mass`` set, split by rows over the devices as its positions are
+    (``sx.io.write_fof_table`` reads every field by device block)."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     sharding = part.pos.sharding
@@ -182,9 +181,8 @@ def _with_mass(part: Any, mass: float) -> Any:
     def by_rows(host: np.ndarray) -> jax.Array:
         return jax.make_array_from_callback(host.shape, rows, lambda index: host[index])
 
-    num = part.num if not part.num.is_fully_addressable else by_rows(np.asarray(part.num))
     masses = by_rows(np.full(part.pos.shape[:2], mass, np.dtype(part.pos.dtype)))
-    return dataclasses.replace(part, num=num, mass=masses)
+    return dataclasses.replace(part, mass=masses)
 
 
 def gather(part: Any) -> dict[str, np.ndarray]:
