@@ -205,8 +205,8 @@ def test_linear_growth_on_large_scales() -> None:
 
 
 def test_gradients_match_finite_differences() -> None:
-    """float64: d(sum delta^2)/d(noise) along a random direction and d/d(sigma8, omega_c), on one device (on
-    several, sx.comm.exchange, which paint and readout move particles with, passes no cotangent: see docs)."""
+    """float64: d(sum delta^2)/d(noise) along a random direction and d/d(sigma8, omega_c), on one device
+    (tests/test_comm_grad.py checks the exchanges' gradients on several devices)."""
     n, box = 8, 100.0
     mesh = make_mesh((1,))
     # (standard promotion: sx.fields.local_paint compares an int64 arange with the int32 count under x64)
