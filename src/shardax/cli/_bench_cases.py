@@ -512,7 +512,7 @@ def _case_fftn(ctx: Context, n: int) -> list[Timing]:
 
         decomp_mesh = Mesh(ctx.devices.reshape(-1, 1), ("z", "y"))
         xd = ctx.put(host, P("z", "y"), decomp_mesh)
-        decomp = jax.jit(lambda v: jaxdecomp.fft.pfft3d(v, backend="JAX"))
+        decomp = jax.jit(lambda v: jaxdecomp.fft.pfft3d(v, backend="JAX"))  # pyright: ignore[reportAttributeAccessIssue]
         anchors["jaxdecomp"] = lambda: decomp(xd)
     return ctx.time("fftn", n, lambda: ours(x), anchors, collective=["jaxdecomp"])
 
