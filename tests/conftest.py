@@ -69,3 +69,31 @@ def _bound_memory_mappings():
     yield
     if _mapping_count() > _MAX_MAPPINGS:
         _drop_compiled_code()
+
+
+# The CLI jobs turn JAX's persistent compilation cache on for their process (and export it to the processes they
+# start). A job run in a pytest worker must not leave it on for the tests that follow: with the cache on, the host
+# sort switches itself off and every compiled program is written to disk.
+_CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_enable_compilation_cache",
+                  "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes")
+_CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_ENABLE_COMPILATION_CACHE",
+              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+
+
+@pytest.fixture(autouse=True)
+def _restore_compilation_cache():
+    options = {name: getattr(jax.config, name) for name in _CACHE_OPTIONS}
+    env = {name: os.environ.get(name) for name in _CACHE_ENV}
+    yield
+    changed = [name for name, value in options.items() if getattr(jax.config, name) != value]
+    for name in changed:
+        jax.config.update(name, options[name])
+    if changed:
+        from jax._src import compilation_cache  # JAX decides once whether the cache is used: ask it again
+
+        compilation_cache.reset_cache()
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

@@ -119,6 +119,19 @@ def _mpirun(mode: str, devices: int, extra_env: dict[str, str] | None = None, ti
     return proc.returncode, out
 
 
+def _reports(out: str) -> list[dict]:
+    """Every ``REPORT {json}`` the ranks printed. mpirun forwards both ranks' output into one stream, where one
+    rank's line can land in the middle of the other's: each report is read as the one JSON object after its marker."""
+    decoder = json.JSONDecoder()
+    reports = []
+    start = out.find("REPORT ")
+    while start >= 0:
+        report, _ = decoder.raw_decode(out, start + len("REPORT "))
+        reports.append(report)
+        start = out.find("REPORT ", start + 1)
+    return reports
+
+
 @pytest.mark.multiprocess
 @pytest.mark.mpi
 @needs_mpi
@@ -126,7 +139,7 @@ def _mpirun(mode: str, devices: int, extra_env: dict[str, str] | None = None, ti
 def test_every_collective_same_through_mpi_and_gloo(devices: int) -> None:
     code, out = _mpirun("checks", devices)
     assert code == 0, f"mpirun exited with {code}:\n{out[-6000:]}"
-    reports = [json.loads(line.split("REPORT ", 1)[1]) for line in out.splitlines() if "REPORT " in line]
+    reports = _reports(out)
     assert sorted(r["process"] for r in reports) == [0, 1], out[-6000:]
     for r in reports:
         assert r["transport"] == "mpi", r
@@ -142,7 +155,7 @@ def test_every_collective_same_through_mpi_and_gloo(devices: int) -> None:
 def test_every_collective_same_through_mpi_and_gloo_open_mpi_5() -> None:
     code, out = _mpirun("checks", 4, mpirun=MPIRUN5)
     assert code == 0, f"mpirun exited with {code}:\n{out[-6000:]}"
-    reports = [json.loads(line.split("REPORT ", 1)[1]) for line in out.splitlines() if "REPORT " in line]
+    reports = _reports(out)
     assert sorted(r["process"] for r in reports) == [0, 1], out[-6000:]
     assert all(r["transport"] == "mpi" and r["failures"] == [] for r in reports), reports
 
