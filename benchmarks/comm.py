@@ -50,7 +50,7 @@ def allreduce_worker(cpu_devices: int) -> None:
     from jax.sharding import PartitionSpec as P
 
     import shardax as sx
-    from shardax.runtime import _transport
+    from shardax import _transport
 
     w = sx.initialize(cpu_devices=cpu_devices)
     from mpi4py import MPI
@@ -234,7 +234,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from shardax.runtime._malloc import restart_with_malloc_env
+    from shardax.runtime import restart_with_malloc_env
 
     # glibc's allocator as in the processes shardax launches (SHARDAX_MALLOC=system: its defaults)
     restart_with_malloc_env(sys.argv)

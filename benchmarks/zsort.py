@@ -161,7 +161,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from shardax.runtime._malloc import restart_with_malloc_env
+    from shardax.runtime import restart_with_malloc_env
 
     # glibc's allocator as in the processes shardax launches (SHARDAX_MALLOC=system: its defaults)
     restart_with_malloc_env(sys.argv)

@@ -1,5 +1,5 @@
 """Programs over several CPU devices of a process are compiled with operations kept whole
-(``shardax.runtime._compile``): the rule, the affinity it sets and restores, that XLA reads it, and that ``smap``
+(``shardax._compile``): the rule, the affinity it sets and restores, that XLA reads it, and that ``smap``
 uses it once per program and argument shapes."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
-from shardax.runtime import _compile
-from shardax.runtime._compile import limited_cpus, split_cpus
+from shardax import _compile
+from shardax._compile import limited_cpus, split_cpus
 
 linux_two_cpus = pytest.mark.skipif(platform.system() != "Linux" or len(os.sched_getaffinity(0)) < 2,
                                     reason="needs Linux and at least 2 CPUs")
@@ -140,7 +140,7 @@ def test_smap_and_fft_compile_once_per_shapes_with_the_rule(monkeypatch: pytest.
 def test_tuning_follows_the_devices_a_kernel_runs_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """The preset is that of the mesh's devices (passed, or the mesh being traced), not JAX's default backend: with
     a default backend that says "gpu", CPU devices still get the CPU preset, and the reverse."""
-    from shardax.runtime._backend import resolve_tuning, step_bytes, tuning_backend
+    from shardax._tuning import resolve_tuning, step_bytes, tuning_backend
     from shardax.spatial._knn_tuning import PRESETS, KnnTuning
 
     monkeypatch.delenv("SHARDAX_TUNING", raising=False)

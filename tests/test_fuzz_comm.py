@@ -159,7 +159,7 @@ def test_program_fingerprint_fuzz(a, b):
     for different ones; a function's fingerprint follows the values it captures."""
     import copy
 
-    from shardax.runtime._fingerprint import function_items, value_item
+    from shardax._fingerprint import function_items, value_item
 
     assert value_item("v", a) == value_item("v", copy.deepcopy(a))
     assert (value_item("v", a).digest == value_item("v", b).digest) == (_typed(a) == _typed(b))

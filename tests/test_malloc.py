@@ -69,7 +69,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
 @glibc
 def test_restart_with_malloc_env_once_and_not_when_opted_out(tmp_path):
     script = tmp_path / "restart.py"
-    script.write_text("import os, sys\nfrom shardax.runtime._malloc import restart_with_malloc_env\n"
+    script.write_text("import os, sys\nfrom shardax.runtime import restart_with_malloc_env\n"
                       "print('run', os.environ.get('MALLOC_ARENA_MAX'), sys.argv[1:], flush=True)\n"
                       "restart_with_malloc_env(sys.argv)\n")
     out = subprocess.run([sys.executable, str(script), "x"], env=_clean_env(), capture_output=True, text=True,

@@ -37,7 +37,7 @@ needs_mpi = pytest.mark.skipif(MPIRUN is None or not HAVE_MPI4PY,
 
 
 def test_choose_rules() -> None:
-    from shardax.runtime._transport import choose
+    from shardax._transport import choose
 
     ompi = {"OMPI_COMM_WORLD_SIZE": "2", "JAX_PLATFORMS": "cpu"}
     assert choose(1, ompi)[0] == "gloo"
@@ -53,7 +53,7 @@ def test_choose_rules() -> None:
 
 def test_forced_mpi_without_mpi4py_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     import shardax as sx
-    from shardax.runtime import _transport
+    from shardax import _transport
 
     monkeypatch.setattr(_transport, "_mpi4py_available", lambda: False)
     with pytest.raises(sx.DistributedSetupError, match=r"pip install \"shardax\[mpi\]\""):
@@ -315,7 +315,7 @@ def _worker(mode: str) -> None:
     sx.initialize(cpu_devices=int(os.environ["SHARDAX_CPU_DEVICES"]))
     import jax
 
-    from shardax.runtime import _transport
+    from shardax import _transport
 
     transport = _transport.cpu_collectives()
     if mode == "diverge":

@@ -205,7 +205,7 @@ def test_program_fingerprint_follows_code_and_captured_values():
     (by value, no addresses), captured functions recursively, static arguments by type and value."""
     import dataclasses
 
-    from shardax.runtime._fingerprint import function_items, value_item
+    from shardax._fingerprint import function_items, value_item
 
     def digest(f):
         return function_items(f)[1]
@@ -249,7 +249,7 @@ def test_program_fingerprint_follows_code_and_captured_values():
 
 def test_guard_messages_name_the_difference():
     """What processes compare and how a difference reads (the two-process runs are in test_reliability.py)."""
-    from shardax.runtime._guard import _compared, _describe_difference
+    from shardax._guard import _compared, _describe_difference
 
     def payload(k, where="run.py:3", code="c1", shape="float32(4, 16)"):
         return {"function": "knn.smap", "where": where, "sequence": 2, "call": None, "mesh": "{'d': 4}",

@@ -230,9 +230,9 @@ def time_lead_rounds(lead: Callable[[], Any] | None, everyone: Callable[[], Any]
     """
     import jax
 
-    from ..runtime._guard import _client
+    from .._guard import coordinator_client
 
-    client = _client() if jax.process_count() > 1 else None
+    client = coordinator_client() if jax.process_count() > 1 else None
     fns = {"lead": lead, "everyone": everyone}
     for fn in fns.values():
         if fn is not None:

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from .._version import __version__
-from ..runtime._env import ENV_NUM_PROCESSES
+from ..runtime import ENV_NUM_PROCESSES
 from ._selftest import CheckResult
 
 
@@ -99,7 +99,7 @@ def _report_sections() -> list[tuple[str, list[tuple[str, str]]]]:
 
 def _transport_line(num_processes: int, platform: str) -> str:
     """Which transport carries sx.comm's collectives between processes here, and why."""
-    from ..runtime._transport import cpu_collectives, transport_reason
+    from .._transport import cpu_collectives, transport_reason
 
     if platform != "cpu":
         return f"XLA's collectives ({platform}; NCCL on NVIDIA GPUs)"

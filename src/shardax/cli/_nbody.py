@@ -14,7 +14,7 @@ import math
 import sys
 from collections.abc import Sequence
 
-from ..runtime._env import detect
+from ..runtime import detect_launch as detect
 from ._cache import cache_help, use_compilation_cache
 from ._nbody_progress import ProgressPrinter, ProgressSink
 

@@ -23,9 +23,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._hostsort import sort
-from ..core._rank import AxisSpec, axes_size, resolve_axes
-from ..core._vary import vary_over, varying
-from ..runtime._backend import resolve_tuning, tuning_backend
+from .._tuning import resolve_tuning, tuning_backend
+from ..core import AxisSpec, axes_size, resolve_axes, vary_over, varying
 from . import _mpi_prim as mpi
 
 Impl = Literal["auto", "chunked", "ragged"]

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..core._vary import vary_over, varying
+from ..core import vary_over, varying
 from . import _mpi_prim as mpi
 from ._alltoallv import Chunk, Impl, _exchange_counts_and_max, _inexact, alltoallv_raw
 

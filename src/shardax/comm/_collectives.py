@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..core._rank import AxisSpec, axes_index, axes_size, resolve_axes
+from ..core import AxisSpec, axes_index, axes_size, resolve_axes
 from . import _mpi_prim as mpi
 
 try:  # Varying -> invariant gather: every rank provably holds the same result (out_specs P() type-checks).

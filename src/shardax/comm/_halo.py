@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..core._rank import manual_axes
+from ..core import manual_axes
 from ._collectives import shift
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..runtime._transport import mpi_world
+from .._transport import mpi_world
 
 # Reductions MPI cannot do in these dtypes run in float32 on the host.
 _WIDEN = {np.dtype("float16"), np.dtype("V2")}

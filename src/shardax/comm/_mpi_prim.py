@@ -22,9 +22,8 @@ from jax._src import sharding_impls
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from ..core._rank import manual_axes
-from ..core._vary import vary_over
-from ..runtime._transport import cpu_collectives
+from .._transport import cpu_collectives
+from ..core import manual_axes, vary_over
 from . import _mpi_host as host
 
 mpi_collective_p = Primitive("shardax_mpi_collective")

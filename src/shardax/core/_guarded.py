@@ -9,8 +9,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from ..runtime._fingerprint import function_items, value_item
-from ..runtime._guard import Details, Program, call_site, guard_call
+from .._fingerprint import function_items, value_item
+from .._guard import Details, Program, call_site, guard_call
 
 
 def describe_arg(value: Any) -> str:
@@ -35,7 +35,7 @@ def _leaf_signature(leaf: Any) -> tuple:
 
 
 class Guarded:
-    """Checks each new signature of one smap function with the other processes (:mod:`shardax.runtime._guard`).
+    """Checks each new signature of one smap function with the other processes (:mod:`shardax._guard`).
 
     Args:
         f: the user's function, as written (its fingerprint is what the processes compare).

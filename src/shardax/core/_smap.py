@@ -12,10 +12,10 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from .._compile import compile_ahead
+from .._guard import last_call
+from .._watchdog import watch
 from ..runtime import flat_mesh
-from ..runtime._compile import compile_ahead
-from ..runtime._guard import last_call
-from ..runtime._watchdog import watch
 from ._guarded import Guarded
 
 

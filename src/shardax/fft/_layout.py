@@ -10,8 +10,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from ..core import ALL
-from ..core._rank import manual_axes
+from ..core import ALL, manual_axes
 
 Group = tuple[str, ...]
 

@@ -14,8 +14,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from .. import comm
 from .. import fft as sxfft
+from .._tuning import tuning_backend
 from ..core import smap
-from ..runtime._backend import tuning_backend
 from ._grid import Grid, _box3, field_sharding
 
 

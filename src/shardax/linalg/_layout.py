@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .._tuning import resolve_tuning
 from ..comm import alltoall
-from ..runtime._backend import resolve_tuning
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .._tuning import device_platform
 from ..comm import allreduce
 from ..core import rank_info
-from ..runtime._backend import device_platform
 from ._layout import COL, ROW, BlockCyclic, to_columns_local, to_grid_local
 from ._vary import index, vary_like
 

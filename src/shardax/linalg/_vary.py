@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..core._vary import vary_like as vary_like
+from ..core import vary_like as vary_like
 
 
 def index(*starts: jax.Array | int) -> tuple[jax.Array, ...]:

@@ -173,7 +173,7 @@ def _rows_out(x: jax.Array) -> jax.Array:
 def _particles(setup: Setup, pos: jax.Array, mom: jax.Array, ids: jax.Array, a: jax.Array) -> Particles:
     """Global particles in the contract's units from the mapped program's `(ndev, n_local, ...)` outputs."""
     counts = np.full((pos.shape[0],), pos.shape[1], np.int32)
-    rows = None if isinstance(pos, jax.core.Tracer) else pos.sharding  # traced (under grad or jit): a constant
+    rows = None if isinstance(pos, Tracer) else pos.sharding  # traced (under grad or jit): a constant
     if isinstance(rows, NamedSharding):  # num split over the devices like the rows (as from_numpy gives it)
         rows = NamedSharding(rows.mesh, PartitionSpec(rows.spec[0] if len(rows.spec) else None))
         num = jax.make_array_from_callback(counts.shape, rows, lambda index: counts[index])

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from ..comm._alltoallv import alltoallv_many
-from ..core._rank import resolve_axes
+from ..core import resolve_axes
 from ._particles import is_row_leaf, with_num
 
 

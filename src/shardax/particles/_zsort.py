@@ -40,8 +40,7 @@ from ..comm._alltoallv import (
     group_by_rank,
     share_chunk,
 )
-from ..core import ALL, rank_info, smap
-from ..core._rank import resolve_axes
+from ..core import ALL, rank_info, resolve_axes, smap
 from ._bounds import check_bounds, check_part, mapped_bounds
 from ._domain import Domain, domain_of
 from ._morton import Box, KeyBox, key_box, morton_key, periodic_box, wrap

@@ -5,9 +5,12 @@ CPUs XLA:CPU compiles for.
 :mod:`shardax.testing`); the ``ENV_*`` names are the environment contract between a launcher and :func:`initialize`.
 """
 
-from ._backend import TuningBackend as TuningBackend
-from ._backend import tuning_backend as tuning_backend
-from ._compile import limited_cpus as limited_cpus
+from .._compile import limited_cpus as limited_cpus
+from .._guard import configure_guard as configure_guard
+from .._transport import cpu_collectives as cpu_collectives
+from .._tuning import TuningBackend as TuningBackend
+from .._tuning import tuning_backend as tuning_backend
+from .._watchdog import configure_watchdog as configure_watchdog
 from ._env import ENV_COORDINATOR as ENV_COORDINATOR
 from ._env import ENV_CPU_DEVICES as ENV_CPU_DEVICES
 from ._env import ENV_INITIALIZED as ENV_INITIALIZED
@@ -17,7 +20,6 @@ from ._env import ENV_PROCESS_ID as ENV_PROCESS_ID
 from ._env import RUN_VARS as RUN_VARS
 from ._env import LaunchInfo as LaunchInfo
 from ._env import detect as detect_launch
-from ._guard import configure_guard as configure_guard
 from ._initialize import initialize as initialize
 from ._launch import child_env as child_env
 from ._launch import launch as launch
@@ -34,8 +36,6 @@ from ._procs import Sink as Sink
 from ._procs import Stream as Stream
 from ._procs import run_processes as run_processes
 from ._replicate import host_replicate as host_replicate
-from ._transport import cpu_collectives as cpu_collectives
-from ._watchdog import configure_watchdog as configure_watchdog
 from ._world import World as World
 from ._world import device_grid as device_grid
 from ._world import flat_mesh as flat_mesh

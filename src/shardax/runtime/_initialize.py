@@ -11,9 +11,9 @@ from jax._src import config as jax_config
 from jax._src import xla_bridge
 
 from .._errors import DistributedSetupError
+from .._transport import choose as choose_transport
+from .._transport import set_transport, start_mpi
 from ._env import LaunchInfo, detect
-from ._transport import choose as choose_transport
-from ._transport import set_transport, start_mpi
 from ._world import World, world
 
 _lock = threading.Lock()

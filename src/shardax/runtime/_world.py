@@ -13,6 +13,7 @@ from jax._src.lib import _jax
 from jax.sharding import AxisType, Mesh
 
 from .._errors import DistributedSetupError
+from .._fingerprint import per_process_fields
 
 Mode = Literal["single", "spmd", "mpmd"]
 
@@ -148,3 +149,6 @@ def grid_mesh(axis_names: tuple[str, str] = ("hosts", "d")) -> Mesh:
             or not all(isinstance(a, str) for a in axis_names) or axis_names[0] == axis_names[1]):
         raise ValueError(f"axis_names must be two distinct str names, got {axis_names!r}")
     return Mesh(device_grid(), tuple(axis_names), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+per_process_fields(World, ("process_id",))   # the same program on every process

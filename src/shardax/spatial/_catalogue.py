@@ -39,7 +39,7 @@ class Catalogue:
 
     Example:
         >>> import numpy as np, shardax as sx
-        >>> from shardax.spatial._fof import fof
+        >>> from shardax.spatial import fof
         >>> part = sx.particles.from_numpy(np.zeros((30, 3), np.float32))
         >>> cat = fof.smap()(part, 0.1, min_members=20).catalogue
         >>> cat.to_numpy()["count"].tolist()

@@ -156,7 +156,7 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
     Example:
         >>> import jax.numpy as jnp
         >>> from shardax.particles import Particles
-        >>> from shardax.spatial._fof import fof
+        >>> from shardax.spatial import fof
         >>> pos = jnp.array([[0.0, 0, 0], [0.1, 0, 0], [0.5, 0, 0], [0.55, 0, 0]])
         >>> res = fof(Particles(pos=pos, num=jnp.int32(4)), 0.2, min_members=2)
         >>> res.labels.tolist(), res.catalogue.count[:2].tolist()

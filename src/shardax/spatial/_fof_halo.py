@@ -20,8 +20,7 @@ from jax import lax
 
 from ..comm import allgather, allreduce
 from ..comm._alltoallv import Chunk, _exchange_counts_and_max, alltoallv_many, group_by_rank
-from ..core._rank import resolve_axes
-from ..core._vary import vary_like
+from ..core import resolve_axes, vary_like
 from ..particles._sort import sort_words
 from ._catalogue import Partial, combine, min_image
 

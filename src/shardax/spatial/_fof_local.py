@@ -22,7 +22,7 @@ every edge share a label. Labels converge to the smallest sorted row of each com
 Tuning. The static sizes live in a ``_fof_tuning.Tuning`` with a preset per backend: on XLA:CPU small
 steps that fit a cache and the counting sort; on a GPU, where every sequential loop step costs a fixed fraction of
 a millisecond whatever it holds, steps of a sizeable share of the problem (bounded by
-:func:`~shardax.runtime._backend.step_bytes`), a comparison sort whose sorted keys give the cell-start table
+:func:`~shardax._tuning.step_bytes`), a comparison sort whose sorted keys give the cell-start table
 (no scatter-add piling onto a few cells), and the candidate runs recomputed per step instead of a table of them
 (memory). Every choice gives the same pairs and labels; each kernel counts its sequential steps (``_fof_tuning.Steps``).
 """
@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..core._vary import vary_like
+from ..core import vary_like
 from ..particles._sort import argsort_words
 from ._fof_tuning import DEFAULT_TUNING, Tuning, step_sizes
 from ._grid import Domain, Grid, cell_coords, cell_keys, open_domain

@@ -2,7 +2,7 @@
 
 On XLA:CPU small steps that fit a cache and the counting sort; on a GPU, where every sequential loop step costs a
 fixed fraction of a millisecond whatever it holds, steps of a sizeable share of the problem (bounded by
-:func:`~shardax.runtime._backend.step_bytes`), a comparison sort whose sorted keys give the cell-start table, and the
+:func:`~shardax._tuning.step_bytes`), a comparison sort whose sorted keys give the cell-start table, and the
 candidate runs recomputed per step instead of a table of them. Every choice gives the same labels. :class:`Steps`
 counts what the loops did.
 """
@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from ..runtime._backend import resolve_tuning, step_bytes
+from .._tuning import resolve_tuning, step_bytes
 
 
 class Tuning(NamedTuple):
@@ -76,7 +76,7 @@ def resolve(tuning: Tuning | str | None, where: str = "fof", devices: Any = None
 
 def step_sizes(tuning: Tuning, rows: int) -> tuple[int, int]:
     """``(slots, edge_chunk)`` of a problem of ``rows`` point rows: the tuning's, within the step memory budget
-    (:func:`~shardax.runtime._backend.step_bytes`) and, with ``step_rows``, within ``step_rows * rows``."""
+    (:func:`~shardax._tuning.step_bytes`) and, with ``step_rows``, within ``step_rows * rows``."""
     budget = step_bytes()
     slots = min(tuning.slots, max(budget // _SLOT_BYTES, 1024))
     edges = min(tuning.edge_chunk, max(budget // _EDGE_BYTES, 1024))

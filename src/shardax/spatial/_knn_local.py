@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..core._vary import vary_like
+from ..core import vary_like
 from ._grid import Domain, make_grid, open_domain, periodic_domain, wrap
 from ._knn_pass import grid_pass, pair_dist2, positions_of, sort_data
 from ._knn_tuning import KnnTuning, Sizes, resolve, sizes

@@ -3,7 +3,7 @@
 Every sequential loop step of the kernel (a batch of query blocks in a grid pass, a tile of the brute force) costs
 a fixed price on a GPU whatever it holds, so the GPU preset gives each step millions of distances: the first pass
 over uniform data runs in at most 16 steps, and no step's tile exceeds the device's step budget
-(:func:`shardax.runtime._backend.step_bytes`). The CPU preset keeps tiles of about 65,536 distances, which fit a
+(:func:`shardax._tuning.step_bytes`). The CPU preset keeps tiles of about 65,536 distances, which fit a
 core's caches. Both presets use the same grids and capacities, so they certify the same queries; the answers are
 exact either way.
 """
@@ -14,7 +14,7 @@ import dataclasses
 import math
 from typing import Any, Literal, NamedTuple
 
-from ..runtime._backend import resolve_tuning, step_bytes
+from .._tuning import resolve_tuning, step_bytes
 
 SearchMethod = Literal["scan", "scan_unrolled", "sort", "compare_all"]
 

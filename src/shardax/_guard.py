@@ -2,7 +2,7 @@
 
 Multi-controller JAX hangs (or returns garbage) when processes call different collectives, with different shapes, or
 in a different order. Before an ``smap`` function first runs with a new signature (the function's fingerprint: its
-code, captured values and defaults, see :mod:`shardax.runtime._fingerprint`; argument shapes and dtypes; static
+code, captured values and defaults, see :mod:`shardax._fingerprint`; argument shapes and dtypes; static
 arguments; mesh), every process posts a description of it to JAX's distributed key-value store and reads everyone
 else's, with a timeout; a mismatch raises :class:`shardax.ProgramMismatchError` on every process naming who disagrees
 and how. Steady-state calls (a signature already checked) cost a dictionary lookup.
@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import jax
 
-from .._errors import ProgramMismatchError
+from ._errors import ProgramMismatchError
 from ._fingerprint import Item
 
 GuardMode = Literal["new", "strict", "off"]
@@ -113,14 +113,15 @@ def last_call() -> tuple[int, str]:
     return _state.calls, _state.last
 
 
-def _client():
+def coordinator_client():
     from jax._src import distributed
 
     return distributed.global_state.client
 
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_INTERNAL = tuple(os.path.join(_PACKAGE, sub) + os.sep for sub in ("core", "runtime", "testing"))
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_INTERNAL = (*(os.path.join(_PACKAGE, sub) + os.sep for sub in ("core", "runtime", "testing")),
+             os.path.join(_PACKAGE, "_"))   # and the top-level internal modules (_guard.py, ...)
 _LIBRARIES = tuple(f"{os.sep}{lib}{os.sep}" for lib in ("jax", "jaxlib"))
 
 
@@ -198,7 +199,7 @@ def guard_call(program: Program, *, traced: bool = False) -> None:
             return
         if (_state.mode == "new" or traced) and program.key in _state.seen:
             return
-        client = _client()
+        client = coordinator_client()
         if client is None:
             return
         _state.sequence += 1

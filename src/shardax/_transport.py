@@ -20,7 +20,7 @@ import os
 from collections.abc import Mapping
 from typing import Literal
 
-from .._errors import DistributedSetupError
+from ._errors import DistributedSetupError
 
 Transport = Literal["gloo", "mpi"]
 ENV_CPU_COLLECTIVES = "SHARDAX_CPU_COLLECTIVES"

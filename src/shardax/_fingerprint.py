@@ -11,7 +11,7 @@ dicts and sets element by element; NumPy scalars and small NumPy arrays (up to :
 value, larger arrays and JAX arrays by shape and dtype (the guard cannot see data values); functions by their code
 (bytecode, constants, names, nested code objects), the values their closure holds and their defaults, recursively;
 ``functools.partial``, bound methods and wrappers (``__wrapped__``, e.g. ``jax.jit``) through what they wrap;
-dataclasses (frozen ``Tuning`` objects included) field by field (the :class:`~shardax.runtime.World` without its
+dataclasses (frozen ``Tuning`` objects included) field by field (the ``World`` without its
 ``process_id``); anything else by its ``repr`` with memory addresses
 removed. The globals a function reads are not followed (only their names are part of its code).
 
@@ -33,15 +33,19 @@ from typing import Any
 
 import numpy as np
 
-from ._world import World
-
 SMALL_ARRAY = 64  # NumPy arrays up to this many elements are fingerprinted by value
 _DEPTH = 12  # nesting followed, at most (deeper structure counts by its type only)
 _DESCRIPTION = 160  # characters of a value's description in messages
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 # Fields that differ between the processes of one run by design, not between programs: a function that captures
 # the World is the same program on every process.
-_PER_PROCESS: dict[type, tuple[str, ...]] = {World: ("process_id",)}
+_PER_PROCESS: dict[type, tuple[str, ...]] = {}
+
+
+def per_process_fields(cls: type, names: tuple[str, ...]) -> None:
+    """Declare fields of the dataclass ``cls`` that legitimately differ between processes (left out of its
+    fingerprint), e.g. ``World.process_id``."""
+    _PER_PROCESS[cls] = tuple(names)
 
 
 @dataclasses.dataclass(frozen=True)
