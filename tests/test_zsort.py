@@ -323,7 +323,7 @@ def test_argsort_keys_is_numpys_stable_argsort(case: str, host: bool) -> None:
     padding (the invalid key: ties that the first pass already orders, so the refining pass is skipped), and keys
     sharing the first pass's prefix with differing low bits, with padding (only the refining pass orders them: a
     test that never refines fails here). Both sorts: NumPy's on the host and XLA's in place."""
-    from shardax.particles._sort import _index_bits, argsort_keys
+    from shardax._wordsort import _index_bits, argsort_keys
 
     rng = np.random.default_rng(11)
     n = 6000
@@ -347,13 +347,13 @@ def test_argsort_keys_is_numpys_stable_argsort(case: str, host: bool) -> None:
 def test_argsort_words_is_numpys_stable_argsort(host: bool) -> None:
     """The one-word argsort (cell keys, labels) equals NumPy's stable argsort: uint32 keys with the top bit set and
     many ties, and non-negative int32 keys."""
-    from shardax.particles._sort import argsort_words
+    from shardax._wordsort import argsort_words
 
     rng = np.random.default_rng(12)
     words = rng.choice(rng.integers(0, 2**32, 50, dtype=np.uint64).astype(np.uint32), 6000)
     labels = rng.integers(0, 2**31 - 1, 6000, dtype=np.int32, endpoint=True)
     labels[rng.random(6000) < 0.3] = 2**31 - 1
-    from shardax.particles._sort import sort_words
+    from shardax._wordsort import sort_words
 
     fn = jax.jit(functools.partial(argsort_words, host=host))
     both = jax.jit(functools.partial(sort_words, host=host))

@@ -5,6 +5,7 @@ view, for use inside ``sx.smap`` (and on one device without a mesh). ``plan`` ex
 the bytes each device moves. See docs/fft.md.
 """
 
+from .._layout import Layout as Layout
 from ._fftn import fftn as fftn
 from ._fftn import ifftn as ifftn
 from ._fftn import irfftn as irfftn
@@ -19,7 +20,6 @@ from ._freq import local_fftfreq as local_fftfreq
 from ._freq import rfftfreq as rfftfreq
 from ._hlo import CollectiveVolume as CollectiveVolume
 from ._hlo import collective_bytes as collective_bytes
-from ._layout import Layout as Layout
 from ._plan import FFTPlan as FFTPlan
 from ._plan import Transform as Transform
 from ._plan import Transpose as Transpose

@@ -13,8 +13,8 @@ from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._compile import compile_ahead
+from .._layout import Layout, local_layout
 from ..core import default_mesh, smap
-from ._layout import Layout, local_layout
 from ._plan import TRANSPOSED_PERM, FFTPlan, Kind, LayoutArg, Norm, make_plan
 
 _NORMS = ("backward", "ortho", "forward")

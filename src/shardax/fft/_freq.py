@@ -11,8 +11,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .._layout import Layout, manual_axis_sizes
 from ..core import default_mesh
-from ._layout import Layout, manual_axis_sizes
 from ._plan import TRANSPOSED_PERM, unpermute
 
 

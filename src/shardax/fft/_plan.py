@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from ._layout import Group, Layout
+from .._layout import Group, Layout
 
 Kind = Literal["fftn", "ifftn", "rfftn", "irfftn"]
 LayoutMode = Literal["same", "transposed"]

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .._layout import local_layout, manual_axis_sizes
 from ..core import default_mesh
 from ..fft import Layout
-from ..fft._layout import local_layout, manual_axis_sizes
 
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 

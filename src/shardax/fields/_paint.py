@@ -14,13 +14,13 @@ from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import comm
+from .._bounds import check_bounds, check_part, mapped_checks
 from .._errors import CapacityError
+from .._pytree import check_count, check_positions, row_count
 from .._tuning import tuning_backend
 from ..comm._alltoallv import count_by_rank
 from ..core import ALL, default_mesh, rank_info, smap
 from ..particles import Particles
-from ..particles._bounds import check_bounds, check_part, mapped_checks
-from ..particles._particles import check_count, check_positions, row_count
 from ._grid import Grid, _box3, _shape3, cell_index, default_spec, field_sharding
 
 _CORNERS = tuple(itertools.product((0, 1), repeat=3))

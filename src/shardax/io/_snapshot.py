@@ -10,8 +10,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from .._bounds import check_bounds, check_global
 from ..particles import Particles, from_numpy
-from ..particles._bounds import check_bounds, check_global
 from ._hdf5 import _h5py, _open
 
 

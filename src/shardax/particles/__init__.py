@@ -6,6 +6,9 @@ The data model every particle kernel stands on: the :class:`Particles` pytree (o
 into global z-order (:func:`zsort`) with the resulting :class:`Domain`, and conservation checks.
 """
 
+from .._morton import KEY_BITS_PER_DIM as KEY_BITS_PER_DIM
+from .._morton import morton_keys as morton_keys
+from .._pytree import pad as pad
 from ._checks import Conservation as Conservation
 from ._checks import conservation as conservation
 from ._checks import ids_checksum_numpy as ids_checksum_numpy
@@ -15,10 +18,7 @@ from ._host import from_numpy as from_numpy
 from ._host import squeeze as squeeze
 from ._ics import gaussian_blobs as gaussian_blobs
 from ._ics import uniform as uniform
-from ._morton import KEY_BITS_PER_DIM as KEY_BITS_PER_DIM
-from ._morton import morton_keys as morton_keys
 from ._particles import Particles as Particles
-from ._particles import pad as pad
 from ._particles import with_ids as with_ids
 from ._zsort import zsort as zsort
 

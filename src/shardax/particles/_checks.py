@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from .._pytree import row_count
 from ..comm import allreduce
 from ._global import attach_smap
-from ._particles import row_count
 
 
 class Conservation(NamedTuple):

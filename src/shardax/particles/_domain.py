@@ -18,10 +18,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from .._morton import INVALID_KEY, KEY_BITS_PER_DIM, Box, KeyBox, key_box, morton_key
+from .._pytree import check_positions
 from ..comm import allgather
 from ._global import attach_smap
-from ._morton import INVALID_KEY, KEY_BITS_PER_DIM, Box, KeyBox, key_box, morton_key
-from ._particles import check_positions
 
 
 @jax.tree_util.register_dataclass

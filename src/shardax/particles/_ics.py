@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from .._morton import Box, periodic_box, wrap
 from ..core import ALL, rank_info
 from ._global import attach_smap
-from ._morton import Box, periodic_box, wrap
 from ._particles import Particles
 
 

@@ -14,9 +14,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .._pytree import is_row_leaf, with_num
 from ..comm._alltoallv import alltoallv_many
 from ..core import resolve_axes
-from ._particles import is_row_leaf, with_num
 
 
 class RowLeaves:

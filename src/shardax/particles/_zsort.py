@@ -31,7 +31,11 @@ from jax.core import Tracer
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from .._bounds import check_bounds, check_part, mapped_bounds
 from .._errors import CapacityError
+from .._morton import Box, KeyBox, key_box, morton_key, periodic_box, wrap
+from .._pytree import check_count, check_positions, map_rows, replace_field, with_num
+from .._wordsort import argsort_keys
 from ..comm import allgather, allreduce
 from ..comm._alltoallv import (
     _exchange_counts_and_max,
@@ -41,12 +45,8 @@ from ..comm._alltoallv import (
     share_chunk,
 )
 from ..core import ALL, rank_info, resolve_axes, smap
-from ._bounds import check_bounds, check_part, mapped_bounds
 from ._domain import Domain, domain_of
-from ._morton import Box, KeyBox, key_box, morton_key, periodic_box, wrap
-from ._particles import check_count, check_positions, map_rows, replace_field, with_num
 from ._rows import RowLeaves, resize_rows, send_rows, take_rows
-from ._sort import argsort_keys
 
 T = TypeVar("T")
 

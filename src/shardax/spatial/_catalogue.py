@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from ..particles._sort import argsort_words
+from .._wordsort import argsort_words
 
 
 @jax.tree_util.register_dataclass

@@ -21,13 +21,13 @@ from jax.core import Tracer
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from .._bounds import check_bounds, check_local, mapped_bounds
 from .._errors import CapacityError
+from .._morton import given_box_values
+from .._pytree import check_count, check_positions, pad_global
 from ..comm import allgather
 from ..comm._alltoallv import share_chunk
 from ..core import ALL, rank_info, smap
-from ..particles._bounds import check_bounds, check_local, mapped_bounds
-from ..particles._morton import given_box_values
-from ..particles._particles import check_count, check_positions, pad_global
 from ..particles._zsort import bucket_sort
 from ._catalogue import Catalogue, Partial, finish, partial_sums
 from ._fof_halo import (

@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .._wordsort import sort_words
 from ..comm import allgather, allreduce
 from ..comm._alltoallv import Chunk, _exchange_counts_and_max, alltoallv_many, group_by_rank
 from ..core import resolve_axes, vary_like
-from ..particles._sort import sort_words
 from ._catalogue import Partial, combine, min_image
 
 INT_MAX = jnp.iinfo(jnp.int32).max

@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .._wordsort import argsort_words
 from ..core import vary_like
-from ..particles._sort import argsort_words
 from ._fof_tuning import DEFAULT_TUNING, Tuning, step_sizes
 from ._grid import Domain, Grid, cell_coords, cell_keys, open_domain
 

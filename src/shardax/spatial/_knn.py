@@ -13,13 +13,13 @@ from jax.core import Tracer
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from .._bounds import check_bounds, check_local, mapped_bounds
 from .._errors import CapacityError
+from .._morton import given_box_values
+from .._pytree import check_count
 from ..comm import allgather, allreduce, scan
 from ..core import ALL, rank_info, smap
 from ..particles import Particles
-from ..particles._bounds import check_bounds, check_local, mapped_bounds
-from ..particles._morton import given_box_values
-from ..particles._particles import check_count
 from ._knn_dist import Flags, default_ghost_capacity, distributed_knn
 from ._knn_local import local_knn
 from ._knn_tuning import KnnTuning, resolve

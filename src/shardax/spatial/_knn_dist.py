@@ -21,10 +21,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from .._pytree import replace_field, with_num
 from ..comm import allgather, allreduce, exchange
 from ..core import rank_info
 from ..particles import Particles
-from ..particles._particles import replace_field, with_num
 from ..particles._zsort import sort_particles
 from ._knn_local import kth_distance_bound, local_knn
 from ._knn_pass import positions_of

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._wordsort import sort_words
 from ..core import vary_like
-from ..particles._sort import sort_words
 from ._grid import SENTINEL_KEY, Domain, Grid, axis_margin, cell_coords, cell_keys
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from ..core import ALL, manual_axes
+from .core import ALL, manual_axes
 
 Group = tuple[str, ...]
 

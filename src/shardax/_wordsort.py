@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._hostsort import sort as _host_sort
+from ._hostsort import sort as _host_sort
 
 _MSD_MAX_BITS = 21
 

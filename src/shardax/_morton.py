@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 
-from ..comm import allreduce
+from .comm import allreduce
 
 Box = jax.Array | float | tuple[float, ...]
 

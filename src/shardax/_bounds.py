@@ -26,8 +26,8 @@ from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..comm import allreduce
-from ..core import ALL, default_mesh, smap
+from .comm import allreduce
+from .core import ALL, default_mesh, smap
 
 BOX_TOLERANCE = 0.25  # box lengths a position may lie outside [0, box) and still be wrapped
 
