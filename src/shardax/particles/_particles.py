@@ -8,7 +8,6 @@ particle; other leaves (``num``, a scalar mass, a box size, ...) stay where they
 from __future__ import annotations
 
 import dataclasses
-from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +15,6 @@ import jax.numpy as jnp
 from .._pytree import row_count
 from ..comm import scan
 from ..core import rank_info
-
-T = TypeVar("T")
 
 
 @jax.tree_util.register_dataclass
