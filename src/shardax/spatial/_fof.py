@@ -2,7 +2,7 @@
 
 One code path at every scale. On one device the particles are linked directly (``_fof_local``). On several, they are
 first sorted into global z-order (compact pieces of space per device), boundary particles are exchanged as ghosts and
-labels merged across devices (``_fof_halo``), and the labels travel back to the rows they came from. Groups are
+labels merged across devices (``_fof_ghosts``), and the labels travel back to the rows they came from. Groups are
 summarised into a :class:`Catalogue` by exact, order-independent sums (``_catalogue``). ``fof`` checks its input and
 takes the one-device path (:func:`_one_device`) or the distributed one (:func:`_several_devices`); both link their
 rows by :func:`_link`. Sizes and algorithm choices of the kernels come from a per-backend ``FofTuning``.
@@ -30,7 +30,7 @@ from ..comm._alltoallv import share_chunk
 from ..core import ALL, rank_info, smap
 from ..particles._zsort import bucket_sort
 from ._catalogue import Catalogue, Partial, finish, partial_sums
-from ._fof_halo import (
+from ._fof_ghosts import (
     INT_MAX,
     boundary_totals,
     exchange_ghosts,
