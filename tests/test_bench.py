@@ -11,7 +11,7 @@ import pytest
 from shardax.cli import _bench as bench
 from shardax.cli._bench import DeviceConfig, Row, parse_devices, run_cli
 from shardax.cli._bench_cases import KERNELS
-from shardax.cli._procs import JobResult
+from shardax.runtime import JobResult
 
 
 def test_quick_run(tmp_path, capsys) -> None:

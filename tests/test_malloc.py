@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from shardax.cli._launch import child_env
+from shardax.runtime import child_env
 from shardax.runtime._malloc import MALLOC_ENV, malloc_env
 
 glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")

@@ -328,9 +328,9 @@ def _points(n: int) -> np.ndarray:
     return np.random.default_rng(0).random((n, 3), dtype=np.float32)
 
 
-def _retry_capacity(call: Callable[..., Any]) -> tuple[Callable[[], Any], float]:
+def _sized_call(call: Callable[..., Any]) -> tuple[Callable[[], Any], float]:
     """``call(**sizes)`` with the buffer sizes :func:`shardax.retry_capacity` finds by calling it, and the seconds
-    those calls took (the first one compiles)."""
+    those calls took (the first one compiles: it counts in the first call's time)."""
     from .._capacity import retry_capacity
 
     start = time.perf_counter()
@@ -418,7 +418,7 @@ def _case_knn(ctx: Context, n: int, k: int = 9) -> list[Timing]:
     pos = _points(n)
     part = ctx.particles(pos)
     search = knn.smap(ctx.mesh)
-    ours, setup_s = _retry_capacity(lambda **options: search(part, k, **options))
+    ours, setup_s = _sized_call(lambda **options: search(part, k, **options))
     if ctx.backend != "cpu":
         import functools
 
@@ -439,7 +439,7 @@ def _case_fof(ctx: Context, n: int, b: float = 0.2) -> list[Timing]:
     linking_length = b / n ** (1 / 3)
     part = ctx.particles(pos)
     groups = fof.smap(ctx.mesh)
-    ours, setup_s = _retry_capacity(
+    ours, setup_s = _sized_call(
         lambda **options: groups(part, linking_length, box=1.0, min_members=2, **options).labels)
     return ctx.time("fof", n, ours, {"scipy FoF": lambda: scipy_fof(pos.astype(np.float64), linking_length)},
                     setup_s=setup_s)

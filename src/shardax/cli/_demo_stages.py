@@ -31,9 +31,9 @@ from ..linalg import potrs, syevd
 from ..particles import from_numpy, squeeze, zsort
 from ..runtime import World, device_grid, flat_mesh
 from ..runtime import detect_launch as detect
-from ..spatial import knn
+from ..spatial import fof, knn
 from . import _demo_reference as ref
-from ._halos import _fof_with_retry, generate
+from ._halos import generate
 from ._selftest import run_self_test
 
 NEIGHBOURS = 9  # the particle itself and 8 others
@@ -221,7 +221,8 @@ def fof_and_catalogue(ctx: Context) -> Outcome:
     """Friends-of-friends labels of every particle and the catalogue of groups, against a union-find."""
     n, box = ctx.sizes.particles, ctx.sizes.box
     linking_length = LINKING_B * box / n ** (1 / 3)
-    result, times = _timed(lambda: _fof_with_retry(ctx.part, linking_length, (box,) * 3, MIN_MEMBERS))
+    result, times = _timed(lambda: retry_capacity(fof.smap(), ctx.part, linking_length, box=(box,) * 3,
+                                                  min_members=MIN_MEMBERS)[0])
     catalogue = result.catalogue.to_numpy()
     labels = by_id(ctx, result.labels)
     ctx.plot_data["halo_mass"] = catalogue["mass"]
@@ -319,17 +320,13 @@ def fftn_stage(ctx: Context) -> Outcome:
     return Outcome(scale, *times, reference, _failures(ref.close("fftn", got, want, kind="fft", dtype=np.complex64)))
 
 
-def _paint_with_retry(ctx: Context, shape: tuple[int, int, int]) -> jax.Array:
-    return retry_capacity(paint, ctx.part, shape, box=ctx.sizes.box, mesh=ctx.mesh)[0]
-
-
 def power_stage(ctx: Context) -> Outcome:
     """CIC paint of the particles and the binned power spectrum of the overdensity, against NumPy."""
     n, box = ctx.sizes.grid, ctx.sizes.box
     shape = (n, n, n)
 
     def run() -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
-        rho = _paint_with_retry(ctx, shape)
+        rho = retry_capacity(paint, ctx.part, shape, box=box, mesh=ctx.mesh)[0]
         delta = rho / jnp.mean(rho) - 1
         return rho, delta, power_spectrum(delta, box=box, bins=POWER_BINS)
 

@@ -49,12 +49,12 @@ def run_cli(argv: Sequence[str]) -> int:
 
 
 def _relaunch(ns: argparse.Namespace) -> int:
-    from ._launch import launch
+    from ..runtime import launch
 
     args = ["-m", "shardax.cli", "doctor", "--size-mb", str(ns.size_mb), "--repeats", str(ns.repeats)]
     if ns.plain:
         args.append("--plain")
-    return launch(args, num_processes=ns.processes, cpu_devices=ns.cpu_devices, timeout_s=ns.timeout)
+    return launch(args, num_processes=ns.processes, cpu_devices=ns.cpu_devices, timeout_s=ns.timeout).returncode
 
 
 def _format_bytes(n: int) -> str:

@@ -83,10 +83,10 @@ def run_cli(argv: Sequence[str]) -> int:
         parser.error(f"--particle-mass must be positive (Msun/h), got {ns.particle_mass}")
     use_compilation_cache(not ns.no_cache)
     if ns.processes is not None and ENV_NUM_PROCESSES not in os.environ:
-        from ._launch import launch
+        from ..runtime import launch
 
         return launch(["-m", "shardax.cli", "halos", *_forward(ns)], num_processes=ns.processes,
-                      cpu_devices=ns.cpu_devices, timeout_s=ns.timeout)
+                      cpu_devices=ns.cpu_devices, timeout_s=ns.timeout).returncode
     try:
         return halos(ns)
     except (ValueError, OSError) as err:
@@ -137,14 +137,6 @@ def generate(n: int, box: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return pos[order].astype(np.float32), vel[order].astype(np.float32)
 
 
-def _fof_with_retry(part: Any, linking_length: float, box: tuple[float, ...], min_members: int) -> Any:
-    """Global FoF of ``part``, its buffers grown to what the data needs (:func:`shardax.retry_capacity`)."""
-    from .._capacity import retry_capacity
-    from ..spatial import fof
-
-    return retry_capacity(fof.smap(), part, linking_length, box=box, min_members=min_members)[0]
-
-
 def _units(header: dict[str, Any], ns: argparse.Namespace, particle_mass: float | None) -> tuple[str, float | None]:
     """The box's length unit for the plot and one particle's mass in Msun/h (None: masses stay in particles), from
     the options, else the snapshot's unit attributes (Gadget's ``UnitLength_in_cm``, ``UnitMass_in_g``; Gadget's
@@ -181,8 +173,10 @@ def _snapshot_extras(path: str) -> dict[str, Any]:
 def halos(ns: argparse.Namespace) -> int:
     """The job behind ``shardax halos`` on every process of the run."""
     from .. import io as sxio
+    from .._capacity import retry_capacity
     from ..particles import from_numpy
     from ..runtime import initialize
+    from ..spatial import fof
     from ._plots import mass_function_plot
 
     world = initialize(cpu_devices=ns.cpu_devices)
@@ -207,7 +201,9 @@ def halos(ns: argparse.Namespace) -> int:
     spacing = (volume / total) ** (1 / 3)
     ll = ns.linking_length if ns.absolute else ns.linking_length * spacing
     box_t = tuple(float(b) for b in box)
-    result = steps.run("friends-of-friends", lambda: _fof_with_retry(part, ll, box_t, ns.min_members),
+    # Buffers grown to what the data needs.
+    result = steps.run("friends-of-friends",
+                       lambda: retry_capacity(fof.smap(), part, ll, box=box_t, min_members=ns.min_members)[0],
                        doing=f"friends-of-friends on {world.device_count} device(s) (compiles on the first run)")
     os.makedirs(ns.out, exist_ok=True)
     cat_path = os.path.join(ns.out, CATALOGUE)

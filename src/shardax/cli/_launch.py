@@ -7,17 +7,6 @@ import os
 from collections.abc import Mapping, Sequence
 
 from .. import runtime
-from ..runtime import RUN_VARS as _INHERITED_RUN_VARS  # noqa: F401  (`shardax bench` reads it here)
-from ..runtime import JobResult, Sink
-from ..runtime import child_env as child_env
-
-
-def launch_job(target: str | os.PathLike[str] | Sequence[str], args: Sequence[str] = (), *, num_processes: int,
-               cpu_devices: int | None = None, timeout_s: float | None = None, sink: Sink,
-               env: Mapping[str, str] | None = None) -> JobResult:
-    """:func:`shardax.runtime.launch` with the arguments as a list (the form the other commands use)."""
-    return runtime.launch(target, *args, num_processes=num_processes, cpu_devices=cpu_devices,
-                          timeout_s=timeout_s, env=env, sink=sink)
 
 
 def launch(target: str | os.PathLike[str] | Sequence[str], /, *args: str, num_processes: int,

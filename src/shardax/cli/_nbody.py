@@ -132,13 +132,13 @@ def run_cli(argv: Sequence[str]) -> int:
     use_compilation_cache(not ns.no_cache)
     if processes == 1:
         return _run_here(ns, cpu_devices=ns.cpu_devices)
-    from ._launch import launch_job
+    from ..runtime import launch
 
     printer = ProgressPrinter(plain=ns.plain)
     printer.line(f"shardax nbody: starting {processes} processes x {ns.cpu_devices} CPU devices")
     sink = ProgressSink(printer)
-    result = launch_job(["-m", "shardax.cli", "nbody", *_forward(ns)], num_processes=processes,
-                        cpu_devices=ns.cpu_devices, timeout_s=ns.timeout, sink=sink)
+    result = launch(["-m", "shardax.cli", "nbody", *_forward(ns)], num_processes=processes,
+                    cpu_devices=ns.cpu_devices, timeout_s=ns.timeout, sink=sink)
     printer.close()
     return result.returncode
 

@@ -200,19 +200,15 @@ def _power(nbody: Any, cosmo: Any, part: Any, options: NbodyOptions, mesh: Mesh,
     the PM mesh (CIC-compensated), the theory, and the measured power of the run's own linear field (same white
     noise) grown to ``a_end``, which has the same cosmic variance as the particles; linear bins of width the
     fundamental wavenumber up to the mesh's Nyquist wavenumber."""
-    from .. import CapacityError
+    from .._capacity import retry_capacity
     from ..fields import bin_edges, paint, power_spectrum
 
     n, cells, box = options.particles, options.particles * options.mesh_factor, options.box
     edges = [float(e) for e in bin_edges(cells // 2 - 1, (cells, cells, cells), box)]
-    # Clustered particles: a device may receive more than it holds; start with half as many again, redo once with
-    # what was needed.
+    # Clustered particles: a device may receive more than it holds; start with half as many again, grow to what
+    # was needed.
     capacity = int(part.pos.shape[1]) * 3 // 2
-    try:
-        rho = paint(part, (cells, cells, cells), box=box, mesh=mesh, capacity=capacity)
-    except CapacityError as err:
-        needed = int(err.needed or 2 * capacity)
-        rho = paint(part, (cells, cells, cells), box=box, mesh=mesh, capacity=needed + needed // 8)
+    rho, _ = retry_capacity(paint, part, (cells, cells, cells), box=box, mesh=mesh, capacity=capacity)
     delta = rho * (cells**3 / n**3) - 1.0
     k, pk, modes = power_spectrum(delta, box=box, bins=edges)
     k = np.asarray(k, np.float64)

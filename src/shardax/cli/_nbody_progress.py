@@ -14,7 +14,7 @@ import threading
 from contextlib import suppress
 from typing import Any
 
-from ._procs import ConsoleSink, Stream
+from ..runtime import ConsoleSink, Stream
 
 _START = re.compile(r"^\[(\d+)/(\d+)\] (.*) \.\.\.$")
 _END = re.compile(r"^ +(.*): (\d+\.\d+ s.*)$")
