@@ -1,13 +1,16 @@
-"""FastPM kick-drift-kick stepping in the scale factor with growth-consistent factors (local view)."""
+"""FastPM kick-drift-kick stepping in the scale factor with growth-consistent factors (local view), and the
+gradient of the whole stepping loop: a reverse-time adjoint (as in pmwd) or a checkpointed scan."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import functools
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .. import comm
 from ._cosmology import Cosmology, check_cosmology, growth_tables, interpolate_growth
 from ._forces import local_pm_forces
 from ._setup import Setup
@@ -52,6 +55,10 @@ def _step_factors(cosmo: Cosmology, values: jax.Array, derivs: jax.Array, times:
                        kick2=(gf[1:] - half_gf) / d1[1:])
 
 
+Adjoint = Literal["reverse", "checkpoint"]
+ADJOINTS = ("reverse", "checkpoint")
+
+
 class State(NamedTuple):
     """Positions (unwrapped, Mpc/h), momenta ``a^3 E dx/da`` (Mpc/h) and the force at the positions."""
 
@@ -60,24 +67,43 @@ class State(NamedTuple):
     force: jax.Array
 
 
-def local_kdk(setup: Setup, state: State, factors: StepFactors, slots: jax.Array, snapshots: int
-              ) -> tuple[State, jax.Array, tuple[jax.Array, jax.Array] | None]:
-    """All steps in one ``lax.scan`` (each step rematerialised in the backward pass: ``jax.checkpoint``).
+Snapshots = tuple[jax.Array, jax.Array] | None
 
-    ``state.force`` is not read: a leading step with zero factors computes the force at the initial positions,
-    so that the program holds one copy of the force computation.
 
-    Returns the final state, the most particles a device had to receive, and ``(pos, mom)`` stacked
-    `(snapshots, n_local, 3)` at the ends of the steps whose ``slots`` entry is a snapshot index.
+def local_kdk(setup: Setup, pos: jax.Array, mom: jax.Array, factors: StepFactors, slots: jax.Array,
+              snapshots: int, adjoint: Adjoint = "reverse") -> tuple[jax.Array, jax.Array, jax.Array, Snapshots]:
+    """All steps from `pos, mom (n_local, 3)` in one ``lax.scan``, differentiable with O(1) memory in the steps.
+
+    ``adjoint="reverse"``: a ``jax.custom_vjp`` over the loop whose backward pass runs the steps backwards from the
+    final state (kick-drift-kick is time-reversible), reconstructing each state and pulling the cotangents through
+    that step (:func:`_reverse_adjoint`): nothing is kept per step, but the reconstructed trajectory differs from the
+    forward one by round-off (in float32, a few ulp of the positions per step, amplified where orbits diverge).
+    ``adjoint="checkpoint"``: each step rematerialised in the backward pass (``jax.checkpoint``): exact, but the
+    gradient keeps positions, momenta and forces per step. The forward values are the same either way.
+
+    Returns the final positions and momenta, the most particles a device had to receive, and ``(pos, mom)``
+    stacked `(snapshots, n_local, 3)` at the ends of the steps whose ``slots`` entry is a snapshot index.
     """
+    if adjoint == "checkpoint":
+        pos, mom, _, needed, buffers = _forward(setup, snapshots, pos, mom, factors, slots, remat=True)
+        return pos, mom, needed, buffers
+    return _reversible(setup, snapshots, pos, mom, factors, slots)
 
-    @jax.checkpoint
+
+def _forward(setup: Setup, snapshots: int, pos: jax.Array, mom: jax.Array, factors: StepFactors, slots: jax.Array,
+             *, remat: bool) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, Snapshots]:
+    """The steps: a leading step with zero factors computes the force at the initial positions, so that the
+    program holds one copy of the force computation."""
+
     def step(state: State, factor: tuple[jax.Array, ...]) -> tuple[State, jax.Array]:
         kick1, drift, kick2 = factor
         mom = state.mom + kick1 * state.force
         pos = state.pos + drift * mom
         force, needed = local_pm_forces(setup, pos)
         return State(pos, mom + kick2 * force, force), needed
+
+    if remat:
+        step = jax.checkpoint(step)
 
     def body(carry: tuple, xs: tuple) -> tuple[tuple, None]:
         state, needed, buffers = carry
@@ -91,12 +117,82 @@ def local_kdk(setup: Setup, state: State, factors: StepFactors, slots: jax.Array
     buffers = None
     if snapshots:
         # (from the positions, so that the buffers vary over the mesh axes as they do)
-        empty = jnp.broadcast_to(jnp.zeros_like(state.pos)[None], (snapshots + 1, *state.pos.shape))
+        empty = jnp.broadcast_to(jnp.zeros_like(pos)[None], (snapshots + 1, *pos.shape))
         buffers = (empty, empty)
     zero = jnp.zeros((1,), factors.kick1.dtype)
     xs = tuple(jnp.concatenate([zero, f]) for f in factors)
-    init = (state, jnp.zeros((), jnp.int32), buffers)
+    init = (State(pos, mom, jnp.zeros_like(pos)), jnp.zeros((), jnp.int32), buffers)
     (state, needed, buffers), _ = lax.scan(body, init, (*xs, jnp.concatenate([jnp.full((1,), snapshots), slots])))
     if buffers is not None:
         buffers = (buffers[0][:snapshots], buffers[1][:snapshots])
-    return state, needed, buffers
+    return state.pos, state.mom, state.force, needed, buffers
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _reversible(setup: Setup, snapshots: int, pos: jax.Array, mom: jax.Array, factors: StepFactors,
+                slots: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, Snapshots]:
+    pos, mom, _, needed, buffers = _forward(setup, snapshots, pos, mom, factors, slots, remat=False)
+    return pos, mom, needed, buffers
+
+
+def _reversible_fwd(setup: Setup, snapshots: int, pos: jax.Array, mom: jax.Array, factors: StepFactors,
+                    slots: jax.Array) -> tuple[tuple, tuple]:
+    pos, mom, force, needed, buffers = _forward(setup, snapshots, pos, mom, factors, slots, remat=False)
+    return (pos, mom, needed, buffers), (State(pos, mom, force), factors, slots)
+
+
+def _reverse_adjoint(setup: Setup, snapshots: int, residuals: tuple, cotangents: tuple) -> tuple:
+    """The backward pass: the steps run backwards from the final state, one force linearisation per state.
+
+    Step ``i`` is ``p' = p_i + k1_i F(x_i)``, ``x_{i+1} = x_i + d_i p'``, ``p_{i+1} = p' + k2_i F(x_{i+1})``.
+    Reversed: ``p' = p_{i+1} - k2_i F_{i+1}``, ``x_i = x_{i+1} - d_i p'``, ``F_i = F(x_i)``, ``p_i = p' - k1_i F_i``.
+    ``F_i`` enters step ``i``'s first kick and step ``i - 1``'s second kick, so its cotangent
+    ``k1_i pbar' + k2_{i-1} pbar_i`` is complete once step ``i`` is reversed: ``jax.vjp`` of the force at the
+    reconstructed ``x_i`` gives ``F_i`` and pulls that cotangent back to ``x_i`` in one evaluation. A trailing
+    step with zero factors linearises the force at the final positions, so the loop holds one copy of it.
+    Snapshot cotangents join the state's at the end of their step; the factors' cotangents are summed over the
+    devices (they are replicated).
+    """
+    final, factors, slots = residuals
+    pos_bar, mom_bar, _, buffers_bar = cotangents
+    zero = jnp.zeros((1,), factors.kick1.dtype)
+    kick1, drift, kick2 = (jnp.concatenate([f, zero]) for f in factors)
+    kick2_before = jnp.concatenate([zero, factors.kick2])  # of the step that ends where this one starts
+    slot_before = jnp.concatenate([jnp.full((1,), snapshots, slots.dtype), slots])  # the state this step starts from
+    bars = None
+    if buffers_bar is not None:  # a zero row for the steps that fill no snapshot
+        bars = tuple(jnp.concatenate([b, jnp.zeros_like(b[:1])]) for b in buffers_bar)
+
+    def at_state(slot: jax.Array) -> tuple[Any, Any]:
+        if bars is None:
+            return 0, 0
+        return tuple(lax.dynamic_index_in_dim(b, slot, 0, keepdims=False) for b in bars)
+
+    def force(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return local_pm_forces(setup, x)
+
+    def body(carry: tuple, xs: tuple) -> tuple[tuple, tuple]:
+        (pos, mom, f), pos_bar, mom_bar = carry
+        k1, d, k2, k2_before, slot = xs
+        half = mom - k2 * f
+        k2_bar = jnp.sum(mom_bar * f)
+        pos = pos - d * half
+        d_bar = jnp.sum(pos_bar * half)
+        half_bar = mom_bar + d * pos_bar
+        f, pullback, _ = jax.vjp(force, pos, has_aux=True)
+        mom = half - k1 * f
+        k1_bar = jnp.sum(half_bar * f)
+        snap_pos_bar, snap_mom_bar = at_state(slot)
+        mom_bar = half_bar + snap_mom_bar
+        (f_pos_bar,) = pullback(k1 * half_bar + k2_before * mom_bar)
+        pos_bar = pos_bar + f_pos_bar + snap_pos_bar
+        return (State(pos, mom, f), pos_bar, mom_bar), (k1_bar, d_bar, k2_bar)
+
+    init = (final, pos_bar, mom_bar)
+    (_, pos_bar, mom_bar), factor_bars = lax.scan(body, init, (kick1, drift, kick2, kick2_before, slot_before),
+                                                  reverse=True)
+    factors_bar = StepFactors(*(comm.allreduce(b[:-1]) for b in factor_bars))
+    return pos_bar, mom_bar, factors_bar, None
+
+
+_reversible.defvjp(_reversible_fwd, _reverse_adjoint)

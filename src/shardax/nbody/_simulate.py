@@ -29,7 +29,7 @@ from ._api import (
     white_noise,
 )
 from ._cosmology import Cosmology, check_cosmology
-from ._kdk import State, StepFactors, local_kdk, step_factors
+from ._kdk import ADJOINTS, Adjoint, StepFactors, local_kdk, step_factors
 from ._lpt import lagrangian, local_lpt_fields
 from ._setup import Setup, make_setup, power_source, scale_factors
 
@@ -51,7 +51,7 @@ class Simulation(NamedTuple):
 
 
 @functools.lru_cache(maxsize=16)
-def _evolve_fn(setup: Setup, source_key: Any, snapshots: int) -> Callable[..., tuple[Any, ...]]:
+def _evolve_fn(setup: Setup, source_key: Any, snapshots: int, adjoint: Adjoint) -> Callable[..., tuple[Any, ...]]:
     source = _unkey(source_key)
 
     def body(noise: jax.Array, table: jax.Array | None, coeffs: jax.Array, factors: StepFactors,
@@ -61,28 +61,35 @@ def _evolve_fn(setup: Setup, source_key: Any, snapshots: int) -> Callable[..., t
         pos, mom = q + coeffs[0] * s1, coeffs[2] * s1
         if s2 is not None:
             pos, mom = pos + coeffs[1] * s2, mom + coeffs[3] * s2
-        state, needed, buffers = local_kdk(setup, State(pos, mom, jnp.zeros_like(pos)), factors, slots, snapshots)
+        pos, mom, needed, buffers = local_kdk(setup, pos, mom, factors, slots, snapshots, adjoint)
         snaps = () if buffers is None else tuple(b[None] for b in buffers)
-        return (_rows_out(state.pos), _rows_out(state.mom), _rows_out(ids), needed, snaps)
+        return (_rows_out(pos), _rows_out(mom), _rows_out(ids), needed, snaps)
 
     snap_specs = () if not snapshots else (_ROWS, _ROWS)
     return smap(body, in_specs=(setup.spec, _REPLICATED, _REPLICATED, _REPLICATED, _REPLICATED),
                 out_specs=(_ROWS, _ROWS, _ROWS, _REPLICATED, snap_specs), mesh=setup.mesh, expand=False)
 
 
-def _run(setup: Setup, source_key: Any, snapshots: int, cosmo: Cosmology, noise: jax.Array, table: jax.Array | None,
-         times: jax.Array, slots: jax.Array) -> tuple[Any, ...]:
+def _run(setup: Setup, source_key: Any, snapshots: int, adjoint: Adjoint, cosmo: Cosmology, noise: jax.Array,
+         table: jax.Array | None, times: jax.Array, slots: jax.Array) -> tuple[Any, ...]:
     """One compiled program: growth and step factors, the power table (from ``cosmo`` unless given) and the run."""
     if table is None and source_key is None:
         table = _table(None, cosmo, setup)
     factors = step_factors(cosmo, times)
-    return _program(setup, source_key, snapshots)(noise, table, _lpt_coeffs(cosmo, times[0]), factors, slots)
+    return _program(setup, source_key, snapshots, adjoint)(noise, table, _lpt_coeffs(cosmo, times[0]), factors, slots)
 
 
 @functools.lru_cache(maxsize=16)
-def _program(setup: Setup, source_key: Any, snapshots: int) -> Callable[..., tuple[Any, ...]]:
+def _program(setup: Setup, source_key: Any, snapshots: int, adjoint: Adjoint) -> Callable[..., tuple[Any, ...]]:
     """The mapped run, compiled apart from the growth and power tables (each compiled once per process)."""
-    return jax.jit(_evolve_fn(setup, source_key, snapshots))
+    return jax.jit(_evolve_fn(setup, source_key, snapshots, adjoint))
+
+
+def _check_adjoint(adjoint: Any, where: str) -> Adjoint:
+    if adjoint not in ADJOINTS:
+        raise ValueError(f"{where}: adjoint must be 'reverse' (the steps run backwards in the gradient: memory "
+                         f"independent of the steps) or 'checkpoint' (one saved state per step), got {adjoint!r}")
+    return adjoint
 
 
 def _user_table(source: Any) -> jax.Array | None:
@@ -91,12 +98,18 @@ def _user_table(source: Any) -> jax.Array | None:
 
 def evolve(cosmo: Cosmology, noise: jax.Array, *, box: float, a: Sequence[float], order: int = 2,
            mesh_per_side: int | None = None, power: Any = None, mesh: Mesh | None = None, gradient: str = "fd4",
-           deconvolve: bool = False, capacity: int | None = None) -> tuple[Particles, jax.Array]:
+           deconvolve: bool = False, capacity: int | None = None, adjoint: Adjoint = "reverse"
+           ) -> tuple[Particles, jax.Array]:
     """LPT initial conditions at ``a[0]`` and FastPM kick-drift-kick steps through the scale factors ``a``.
 
     The differentiable core of :func:`simulate`: a function of ``cosmo`` and ``noise`` that can be put under
-    ``jax.grad`` / ``jax.jit`` (``box``, ``a`` and the options are static). Each step is rematerialised in the
-    backward pass (``jax.checkpoint``), so a gradient keeps only positions, momenta and forces per step.
+    ``jax.grad`` / ``jax.jit`` (``box``, ``a`` and the options are static). By default the gradient is the
+    reverse-time adjoint of pmwd: the backward pass runs the kick-drift-kick steps backwards from the final state
+    (they are time-reversible) and pulls the cotangents through one step at a time, so its memory does not grow
+    with the number of steps. The reconstructed trajectory differs from the forward one by round-off (a few ulp of
+    the positions per step, amplified where orbits cross); ``adjoint="checkpoint"`` rematerialises each step from a
+    saved state instead (``jax.checkpoint``): exact, but it keeps positions, momenta and forces per step. The
+    forward values do not depend on ``adjoint``.
 
     Args:
         cosmo: the cosmology.
@@ -111,6 +124,8 @@ def evolve(cosmo: Cosmology, noise: jax.Array, *, box: float, a: Sequence[float]
         gradient: ``"fd4"`` or ``"spectral"`` force gradient (see :func:`pm_forces`).
         deconvolve: divide the density by the cloud-in-cell window.
         capacity: particles a device may receive while painting (default 1.5 times its own).
+        adjoint: how ``jax.grad`` goes through the steps: ``"reverse"`` (memory independent of the steps) or
+            ``"checkpoint"`` (one saved state per step, no reconstruction round-off).
 
     Returns:
         ``(particles, needed)``: global particles at ``a[-1]`` (as :func:`simulate`) and the most particles a device
@@ -124,6 +139,7 @@ def evolve(cosmo: Cosmology, noise: jax.Array, *, box: float, a: Sequence[float]
         3
     """
     check_cosmology(cosmo, "evolve")
+    adjoint = _check_adjoint(adjoint, "evolve")
     setup, noise = _setup_for(noise, box, mesh, "evolve", mesh_per_side=mesh_per_side, order=order,
                               gradient=gradient, deconvolve=deconvolve, capacity=capacity)
     times_np = np.asarray(a, np.float64)
@@ -133,14 +149,15 @@ def evolve(cosmo: Cosmology, noise: jax.Array, *, box: float, a: Sequence[float]
     times = jnp.asarray(times_np, noise.dtype)
     source = power_source(power, "evolve")
     slots = jnp.zeros(len(times_np) - 1, jnp.int32)
-    pos, mom, ids, needed, _ = _run(setup, _source_key(source), 0, cosmo, noise, _user_table(source), times, slots)
+    pos, mom, ids, needed, _ = _run(setup, _source_key(source), 0, adjoint, cosmo, noise, _user_table(source), times,
+                                    slots)
     return _particles(setup, pos, mom, ids, times[-1]), needed
 
 
 def simulate(cosmo: Cosmology, *, particles_per_side: int, box: float, mesh_per_side: int | None = None,
              a_start: float, a_end: float = 1.0, steps: int, seed: int = 0, order: int = 2,
              snapshots: Sequence[float] = (), mesh: Mesh | None = None, power: Any = None, gradient: str = "fd4",
-             deconvolve: bool = False, capacity: int | None = None) -> Simulation:
+             deconvolve: bool = False, capacity: int | None = None, adjoint: Adjoint = "reverse") -> Simulation:
     """A particle-mesh N-body simulation: Gaussian initial conditions, 2LPT, FastPM kick-drift-kick steps.
 
     White noise from ``seed`` (:func:`white_noise`, identical on any layout), LPT particles at ``a_start``
@@ -165,6 +182,8 @@ def simulate(cosmo: Cosmology, *, particles_per_side: int, box: float, mesh_per_
         deconvolve: divide the density by the cloud-in-cell window.
         capacity: particles a device may receive while painting (default 1.5 times its own; a run that needs more
             is redone once with what it needed, so nothing is dropped).
+        adjoint: ``"reverse"`` or ``"checkpoint"``: how a gradient goes through the steps (see :func:`evolve`);
+            the results do not depend on it.
 
     Returns:
         A :class:`Simulation`.
@@ -177,6 +196,7 @@ def simulate(cosmo: Cosmology, *, particles_per_side: int, box: float, mesh_per_
         (3, [0.5])
     """
     check_cosmology(cosmo, "simulate")
+    adjoint = _check_adjoint(adjoint, "simulate")
     times_np, slots_np = scale_factors(a_start, a_end, steps, snapshots, "simulate")
     the_mesh = default_mesh(mesh)
     setup = make_setup(n=particles_per_side, nm=particles_per_side if mesh_per_side is None else mesh_per_side,
@@ -187,7 +207,7 @@ def simulate(cosmo: Cosmology, *, particles_per_side: int, box: float, mesh_per_
     times = jnp.asarray(times_np, noise.dtype)
     slots = jnp.asarray(slots_np)
     key, table = _source_key(source), _user_table(source)
-    outputs = _run(setup, key, len(snapshots), cosmo, noise, table, times, slots)
+    outputs = _run(setup, key, len(snapshots), adjoint, cosmo, noise, table, times, slots)
     needed = int(outputs[3])
     if needed > setup.capacity:
         if capacity is not None:
@@ -195,7 +215,7 @@ def simulate(cosmo: Cosmology, *, particles_per_side: int, box: float, mesh_per_
                                 f"pass capacity={needed} or more", needed=needed, available=capacity,
                                 argument="capacity")
         setup = dataclasses.replace(setup, capacity=needed + needed // 8)
-        outputs = _run(setup, key, len(snapshots), cosmo, noise, table, times, slots)
+        outputs = _run(setup, key, len(snapshots), adjoint, cosmo, noise, table, times, slots)
     pos, mom, ids, _, snaps = outputs
     final = _particles(setup, pos, mom, ids, times[-1])
     kept = []
