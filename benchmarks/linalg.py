@@ -83,8 +83,8 @@ def main() -> None:
     from jax.sharding import PartitionSpec as P
 
     import shardax as sx
+    from shardax.core import vary_like
     from shardax.linalg._layout import BlockCyclic
-    from shardax.linalg._vary import vary_like
 
     mesh = Mesh(np.array(jax.devices()[: args.devices]), ("d",))
     one = Mesh(np.array(jax.devices()[:1]), ("d",))

@@ -15,7 +15,6 @@ from jax.test_util import check_grads
 
 import shardax as sx
 from conftest import make_mesh
-from shardax.linalg._core import solve_local
 from shardax.linalg._layout import (
     COL,
     ROW,
@@ -29,6 +28,7 @@ from shardax.linalg._layout import (
     to_grid_local,
 )
 from shardax.linalg._potrf import potrf_local
+from shardax.linalg._potrs import solve_local
 from shardax.linalg._syevd import jacobi_eigh_local, tridiagonal_eigh_local, tridiagonal_layout
 
 
@@ -425,6 +425,11 @@ def test_jaxmg_positional_call():
     (lambda a, b: sx.linalg.syevd(a, max_sweeps=0), ValueError, "max_sweeps"),
     (lambda a, b: sx.linalg.syevd(a, method="qr"), ValueError, "method"),
     (lambda a, b: sx.linalg.syevd([[1.0]]), TypeError, "jax.Array or numpy array"),
+    (lambda a, b: sx.linalg.syevd(a, tile=0), ValueError, "tile must be a positive int .* try 32"),
+    (lambda a, b: sx.linalg.syevd(a, tile=2.5), TypeError, "tile must be a positive int"),
+    (lambda a, b: sx.linalg.syevd(a, method="jacobi", tile=-1), ValueError, "tile must be a positive int"),
+    (lambda a, b: sx.linalg.syevd(a, tuning="tpu"), ValueError, "tuning must be one of"),
+    (lambda a, b: sx.linalg.LinalgTuning(reduction_tile=0), ValueError, "LinalgTuning.reduction_tile"),
 ])
 def test_errors(call, error, match):
     a, b = jnp.eye(8, dtype=jnp.float32), jnp.ones(8, jnp.float32)
@@ -475,6 +480,32 @@ def test_syevd(shape, layout, n):
     assert int(status) == 0
     check_eigh(a, w, v, np.float32)
     assert v.shape == (n, n) and (layout == "replicated" or v.sharding == ad.sharding)
+
+
+@pytest.mark.parametrize(("shape", "tile", "used"), [((1,), 8, None), ((8,), 3, 3), ((2, 4), 4, 4)])
+def test_syevd_tile_and_tuning(monkeypatch, shape, tile, used):
+    """A non-default ``tile`` (or the tuning's ``reduction_tile``) sets the reduction's block-cyclic layout on several
+    devices; one device runs LAPACK's ``eigh`` whatever the tile. Results match ``numpy.linalg.eigh``."""
+    import shardax.linalg._api as api
+
+    tiles: list[int | None] = []
+    layout = api.tridiagonal_layout
+    monkeypatch.setattr(api, "tridiagonal_layout", lambda n, size, tile: tiles.append(tile) or layout(n, size, tile))
+    mesh = make_mesh(shape)
+    n = 40
+    rng = np.random.default_rng(n)
+    m = rng.standard_normal((n, n)).astype(np.float32)
+    a = (m + m.T) / 2
+    w_ref, _ = np.linalg.eigh(a)
+    w, v, status = sx.linalg.syevd(put(a, mesh, "rows"), tile=tile, return_status=True)
+    assert int(status) == 0
+    check_eigh(a, w, v, np.float32)
+    close(w, w_ref, np.float32, scale=10.0)
+    tuned = sx.linalg.syevd(put(a, mesh, "cols"), tuning=sx.linalg.LinalgTuning(reduction_tile=tile),
+                            return_eigenvectors=False)
+    close(tuned, w_ref, np.float32, scale=10.0)
+    assert tiles == ([] if used is None else [used, used])
+    assert tridiagonal_layout(n, 8, 3).tile == 3 and tridiagonal_layout(n, 8).tile == 5  # 32, reduced for n = 40
 
 
 def test_syevd_degenerate_spectrum():

@@ -72,7 +72,7 @@ def linalg_checks() -> dict:
     statuses["not-spd"] = int(_replicated(status, grid))
     _, status = sx.linalg.potrf(bad, tile=4, mesh=grid, return_status=True, grid=(2, 4))
     statuses["not-spd-grid"] = int(_replicated(status, grid))
-    w, v, status = sx.linalg.syevd(_put(sym, NamedSharding(grid, P())), mesh=grid, return_status=True)
+    w, v, status = sx.linalg.syevd(_put(sym, NamedSharding(grid, P())), mesh=grid, tile=5, return_status=True)
     w = _replicated(w, grid)
     v = _replicated(v, grid)
     errors["syevd-w"] = float(np.max(np.abs(w - w_ref)))

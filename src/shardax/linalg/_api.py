@@ -27,9 +27,9 @@ from ._checks import (
     resolve_mesh,
     under_auto_axes,
 )
-from ._core import solve_local
-from ._layout import BlockCyclic, LinalgTuning, cyclic_spec, from_cyclic, grid_mesh, to_cyclic
+from ._layout import BlockCyclic, LinalgTuning, cyclic_spec, from_cyclic, grid_mesh, linalg_tuning, to_cyclic
 from ._potrf import potrf_local
+from ._potrs import solve_local
 from ._solve import inverse_local
 from ._syevd import jacobi_eigh_local, tridiagonal_eigh_local, tridiagonal_layout
 
@@ -289,7 +289,7 @@ def _pad_above_spectrum(herm: jax.Array, npad: int) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=64)
-def _eigensolver(mesh: Mesh, n: int, method: str, max_sweeps: int, vectors: bool,
+def _eigensolver(mesh: Mesh, n: int, method: str, max_sweeps: int, tile: int, vectors: bool,
                  a_sharding: NamedSharding | None):
     axes = tuple(mesh.axis_names)
     columns = PartitionSpec(None, axes)
@@ -312,7 +312,7 @@ def _eigensolver(mesh: Mesh, n: int, method: str, max_sweeps: int, vectors: bool
             return w, v, converged
         local = by_jacobi
     else:
-        layout = tridiagonal_layout(n, mesh.size)
+        layout = tridiagonal_layout(n, mesh.size, tile)
         npad = layout.padded
         full = BlockCyclic(npad, layout.tile, layout.nproc)
         out = (PartitionSpec(axes), columns) if vectors else PartitionSpec(axes)
@@ -345,25 +345,39 @@ def _eigensolver(mesh: Mesh, n: int, method: str, max_sweeps: int, vectors: bool
     return run
 
 
-def syevd(a: Any, *, mesh: Mesh | None = None, return_eigenvectors: bool = True, return_status: bool = False,
-          max_sweeps: int = 30, method: str = "tridiagonal") -> Any:
+def syevd(a: Any, *, tile: int | None = None, mesh: Mesh | None = None, return_eigenvectors: bool = True,
+          return_status: bool = False, tuning: LinalgTuning | TuningName | None = None, max_sweeps: int = 30,
+          method: str = "tridiagonal") -> Any:
     """Eigenvalues (ascending) and eigenvectors of a Hermitian ``a``, distributed.
 
     Default (``method="tridiagonal"``): blocked Householder reduction to a real tridiagonal ``T`` on the block-cyclic
-    column layout (one all-reduce per column, BLAS3 trailing updates), eigenvalues of ``T`` by Sturm multisection and
-    eigenvectors by inverse iteration, both distributed by eigenvalue (reorthogonalised inside clusters of close
-    eigenvalues; a cluster longer than 32 takes a local dense ``eigh`` of ``T``), then the back-transformation by
-    compact-WY panels, distributed by eigenvector. ``method="jacobi"``: two-sided block Jacobi with a round-robin
-    tournament, swept until the off-diagonal norm is below ``eps sqrt(N) ||A||_F``. On one device either is a single
-    local ``eigh``. Only the lower triangle of ``a`` is read.
+    column layout (``tile`` columns per block and reflector panel; one all-reduce per column, BLAS3 trailing
+    updates), eigenvalues of ``T`` by Sturm multisection and eigenvectors by inverse iteration, both distributed by
+    eigenvalue (reorthogonalised inside clusters of close eigenvalues; a cluster longer than 32 takes a local dense
+    ``eigh`` of ``T``), then the back-transformation by compact-WY panels, distributed by eigenvector.
+    ``method="jacobi"``: two-sided block Jacobi with a round-robin tournament, swept until the off-diagonal norm is
+    below ``eps sqrt(N) ||A||_F``. On one device either is a single local ``eigh``. Only the lower triangle of ``a``
+    is read.
+
+    The options are those of :func:`potrf` except ``grid``: the reduction is written for the 1D block-cyclic
+    columns (every device holds whole columns, so ``y = A v`` is one product and one all-reduce per column); it has
+    no 2D process-grid form.
 
     Args:
         a: `(N, N)` Hermitian, sharded by rows, columns or both over any mesh.
+        tile: block size of the reduction's block-cyclic layout, which is also its reflector panel width (default
+            from ``tuning``: 32, as LAPACK's ``sytrd``; reduced for small ``N`` so that padding stays below a block
+            per device). Larger panels make the trailing updates larger products and the per-column panel updates
+            longer. Used by the default method on several devices; validated and ignored by ``method="jacobi"``
+            (whose blocks are ``N / (2P)`` columns, two per device) and on one device (LAPACK's ``eigh``).
         mesh: as in :func:`potrs`.
         return_eigenvectors: also return the eigenvectors.
         return_status: also return the status: 0, or 1 (outputs then NaN) when the lower triangle of ``a`` has a
             non-finite entry or, with ``method="jacobi"``, Jacobi did not converge in ``max_sweeps`` sweeps (as
             LAPACK's ``info > 0``).
+        tuning: the default ``tile`` when it is not given (:class:`LinalgTuning`'s ``reduction_tile``): ``None``
+            for the backend's preset (``SHARDAX_TUNING`` overrides), ``"cpu"``, ``"gpu"`` or a
+            :class:`LinalgTuning`.
         max_sweeps: the most Jacobi sweeps (``method="jacobi"`` only; validated and ignored otherwise).
         method: ``"tridiagonal"`` (default) or ``"jacobi"``.
 
@@ -373,12 +387,13 @@ def syevd(a: Any, *, mesh: Mesh | None = None, return_eigenvectors: bool = True,
 
     Example:
         >>> import jax.numpy as jnp, shardax as sx
-        >>> w, v = sx.linalg.syevd(jnp.array([[2.0, 1.0], [1.0, 2.0]]))
+        >>> w, v = sx.linalg.syevd(jnp.array([[2.0, 1.0], [1.0, 2.0]]), tile=16)
         >>> [round(float(x), 5) for x in w]
         [1.0, 3.0]
     """
     check_flag(return_eigenvectors, "return_eigenvectors")
     check_flag(return_status, "return_status")
+    size = check_tile(tile, suggest=LinalgTuning().reduction_tile)
     if not isinstance(max_sweeps, int) or isinstance(max_sweeps, bool) or max_sweeps < 1:
         raise ValueError(f"max_sweeps must be a positive int, got {max_sweeps!r}")
     check_matrix(a)
@@ -387,15 +402,20 @@ def syevd(a: Any, *, mesh: Mesh | None = None, return_eigenvectors: bool = True,
     if explicit_avals(a):  # inside jit under an explicit context mesh
         specs = (PartitionSpec(),) + ((_spec(a),) if return_eigenvectors else ()) + ((PartitionSpec(),)
                                                                                      if return_status else ())
-        return under_auto_axes(lambda a: syevd(a, mesh=mesh, return_eigenvectors=return_eigenvectors,
-                                               return_status=return_status, max_sweeps=max_sweeps, method=method),
+        return under_auto_axes(lambda a: syevd(a, tile=tile, mesh=mesh, return_eigenvectors=return_eigenvectors,
+                                               return_status=return_status, tuning=tuning, max_sweeps=max_sweeps,
+                                               method=method),
                                (a,), specs[0] if len(specs) == 1 else specs)
     user_mesh = resolve_mesh(mesh, a)
     the_mesh = computing_mesh(user_mesh)
     a, a_sharding, a_back = enter(a, user_mesh, the_mesh)
-    sweeps = max_sweeps if method == "jacobi" else 0  # one compiled program whatever the ignored value
+    reduction_tile = linalg_tuning(tuning, the_mesh.devices).reduction_tile if size is None else size
+    # One compiled program whatever the value of an option the method ignores.
+    sweeps = max_sweeps if method == "jacobi" else 0
+    used_tile = reduction_tile if method == "tridiagonal" and the_mesh.size > 1 else 0
     with computing_on(the_mesh, user_mesh):
-        w, v, status = _eigensolver(the_mesh, a.shape[0], method, sweeps, return_eigenvectors, a_sharding)(a)
+        w, v, status = _eigensolver(the_mesh, a.shape[0], method, sweeps, used_tile, return_eigenvectors,
+                                    a_sharding)(a)
     v = _reshard(v, a_back)
     out: tuple = (w,) + ((v,) if return_eigenvectors else ()) + ((status,) if return_status else ())
     return out[0] if len(out) == 1 else out

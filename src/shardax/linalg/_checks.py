@@ -53,9 +53,10 @@ def check_rhs(b: Any, a: Any) -> Any:
     return b
 
 
-def check_tile(tile: Any, t_a: Any = None) -> int | None:
+def check_tile(tile: Any, t_a: Any = None, *, suggest: int = PRESETS["cpu"].tile) -> int | None:
     """The block size from ``tile`` or jaxmg's ``T_A`` (positive ints; they must agree when both are given), or
-    ``None`` when neither is given (the layout then picks :func:`shardax.linalg._layout.default_tile`)."""
+    ``None`` when neither is given (the layout then picks its default); ``suggest`` is the value the error
+    proposes."""
     if t_a is not None and tile is not None and t_a != tile:
         raise ValueError(f"T_A={t_a!r} and tile={tile!r} disagree; pass only one of them")
     value = tile if tile is not None else t_a
@@ -65,7 +66,7 @@ def check_tile(tile: Any, t_a: Any = None) -> int | None:
     if not isinstance(value, int | np.integer) or isinstance(value, bool):
         raise TypeError(f"{name} must be a positive int (the block size), got {value!r}")
     if value < 1:
-        raise ValueError(f"{name} must be a positive int (the block size), got {value}; try {PRESETS['cpu'].tile}")
+        raise ValueError(f"{name} must be a positive int (the block size), got {value}; try {suggest}")
     return int(value)
 
 

@@ -13,8 +13,7 @@ factorisation step broadcasts along process columns and reduces along process ro
 words per device in all instead of the 1D layout's ``N^2 / 2``. The kernels take and return the 1D layout;
 :func:`to_grid_local` and :func:`to_columns_local` move a matrix to the grid and back in the local view (one
 all-to-all along the process columns each). XLA's global-view redistribution straight to the 2D blocks was no
-faster (it gathered the whole matrix: ``potrf`` of N = 4096 f64 on a 2 x 2 grid took 0.76 s either way, 0.37-0.46 s
-of it the factorisation), and this keeps the solves and the VJP on the 1D columns.
+faster (it gathers the whole matrix on every device first), and this keeps the solves and the VJP on the 1D columns.
 """
 
 from __future__ import annotations
@@ -34,18 +33,23 @@ from ..comm import alltoall
 
 @dataclasses.dataclass(frozen=True)
 class LinalgTuning:
-    """Block sizes of the factorisations (static: changing them recompiles).
+    """Block sizes of the factorisations and of the eigensolver's reduction (static: changing them recompiles).
 
-    The default block size is ``tile``, halved (down to ``min_tile``) while that leaves fewer than
+    The factorisations' default block size is ``tile``, halved (down to ``min_tile``) while that leaves fewer than
     ``min_local_blocks`` blocks per device: with few local blocks the factorisation's phases (``_potrf.MAX_PHASES``)
     are coarse, its products do more flops than an exact Cholesky, and fewer steps leave the owners' diagonal blocks
     a larger share. Every block is one sequential step of a ``fori_loop``: on a GPU each step costs its launches
     whatever it holds, so the GPU preset takes blocks twice as large (half the steps).
 
+    :func:`shardax.linalg.syevd` reduces the matrix to tridiagonal form one column at a time whatever the block
+    size (one all-reduce per column), so its block, ``reduction_tile``, only sets the panel width of the
+    reflectors: 32, LAPACK's ``sytrd`` choice, on every backend.
+
     Attributes:
-        tile: the largest default block size.
+        tile: the largest default block size of the factorisations.
         min_tile: the smallest block the halving reaches.
         min_local_blocks: blocks per device below which the tile is halved.
+        reduction_tile: the default block size (reflector panel width) of ``syevd``'s tridiagonal reduction.
 
     Example:
         >>> import jax.numpy as jnp, shardax as sx
@@ -58,24 +62,28 @@ class LinalgTuning:
     tile: int = 256
     min_tile: int = 64
     min_local_blocks: int = 16
+    reduction_tile: int = 32
 
     def __post_init__(self) -> None:
-        for name in ("tile", "min_tile", "min_local_blocks"):
+        for name in ("tile", "min_tile", "min_local_blocks", "reduction_tile"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"LinalgTuning.{name} must be a positive int, got {value!r}")
 
 
-# `potrs` f64 with the left-looking `potrf` (2026-11-25, `benchmarks/linalg.py --tile T`): N = 4096 on 4 CPU devices
-# 0.48 s with tile 64, 0.55 s with 128; N = 8192 on 4 devices 3.17 s with 64, 2.97 s with 128. N = 4096 on 1 device
-# (round-robin in one process): 0.42 s with 256, 0.46 s with 128, 0.44 s with 64.
 PRESETS = {"cpu": LinalgTuning(), "gpu": LinalgTuning(tile=512, min_tile=128, min_local_blocks=8)}
+
+
+def linalg_tuning(tuning: LinalgTuning | str | None = None, devices: Any = None) -> LinalgTuning:
+    """The :class:`LinalgTuning` a call runs with: ``tuning`` itself, a named preset, or the preset of ``devices``'s
+    backend for ``None``."""
+    return resolve_tuning(tuning, PRESETS, LinalgTuning, "linalg", devices)
 
 
 def default_tile(n: int, nproc: int, tuning: LinalgTuning | str | None = None, devices: Any = None) -> int:
     """Block size used when none is given: the tuning's ``tile`` (256 on CPU, 512 on GPU), halved down to its
     ``min_tile`` while ``n`` leaves fewer than ``min_local_blocks`` blocks per device."""
-    t = resolve_tuning(tuning, PRESETS, LinalgTuning, "linalg", devices)
+    t = linalg_tuning(tuning, devices)
     tile = t.tile
     while tile > t.min_tile and n < t.min_local_blocks * tile * nproc:
         tile //= 2

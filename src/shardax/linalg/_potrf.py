@@ -8,9 +8,9 @@ from jax import lax
 
 from .._tuning import device_platform
 from ..comm import allreduce
-from ..core import rank_info
+from ..core import rank_info, vary_like
 from ._layout import COL, ROW, BlockCyclic, to_columns_local, to_grid_local
-from ._vary import index, vary_like
+from ._slice_index import index
 
 # The fori_loop over factorisation steps is split into at most this many phases with static windows: phase q only
 # touches the rows below its first step's block and the columns factored before or during it (one window for the

@@ -7,9 +7,9 @@ and conquer about 10-30x (and data-dependent subproblem sizes that fixed-shape S
 Every stage maps onto collectives with fixed shapes:
 
 1. Reduction ``Q^H A Q = T`` (``_tridiag.tridiagonalize_local``) on the block-cyclic column layout of ``potrf``: per
-   panel of 32 columns one all-reduce broadcasts the panel, per column one all-reduce completes ``y = A v`` from each
-   device's columns (LAPACK ``latrd``), and the trailing rank-64 update is local BLAS3. Complex Householder
-   reflectors are chosen (``larfg``) so that ``T`` is real.
+   panel of ``t`` columns (the layout's tile, 32 by default) one all-reduce broadcasts the panel, per column one
+   all-reduce completes ``y = A v`` from each device's columns (LAPACK ``latrd``), and the trailing rank-``2t``
+   update is local BLAS3. Complex Householder reflectors are chosen (``larfg``) so that ``T`` is real.
 2. Eigenvalues of ``T``: Sturm-count multisection, distributed by eigenvalue slot (``O(N^2 / P)`` per device), after
    splitting ``T`` where ``|e_k| <= eps ||T||``; slot ``j`` is an eigenvalue of the unreduced block holding row
    ``j``, so exact multiplicities (the identity) become ``1 x 1`` blocks. One all-gather of the ``N`` eigenvalues.
@@ -42,8 +42,9 @@ import numpy as np
 from jax import lax
 
 from ..comm import allgather, allreduce
-from ..core import rank_info
-from ._layout import BlockCyclic
+from ..core import rank_info, vary_like
+from ._layout import BlockCyclic, LinalgTuning
+from ._slice_index import index
 from ._tridiag import (
     back_transform_local,
     bisect_eigenvalues,
@@ -51,10 +52,7 @@ from ._tridiag import (
     split_blocks,
     tridiagonalize_local,
 )
-from ._vary import index, vary_like
 
-# Reflector panel width of the reduction (LAPACK's sytrd uses 32).
-TRIDIAGONAL_TILE = 32
 # Reorthogonalisation window: a cluster of close eigenvalues longer than this takes the fallback path.
 CLUSTER_WINDOW = 32
 # Eigenvalues closer than this times ||T|| form a cluster, whose inverse-iteration vectors are reorthogonalised.
@@ -63,9 +61,11 @@ CLUSTER_WINDOW = 32
 CLUSTER_GAP = {"float32": 5e-2, "float64": 1e-5}
 
 
-def tridiagonal_layout(n: int, size: int) -> BlockCyclic:
-    """The block-cyclic layout of the reduction for an ``(n, n)`` matrix over ``size`` devices."""
-    return BlockCyclic.create(n, TRIDIAGONAL_TILE, size)
+def tridiagonal_layout(n: int, size: int, tile: int | None = None) -> BlockCyclic:
+    """The block-cyclic layout of the reduction for an ``(n, n)`` matrix over ``size`` devices, with ``tile``
+    columns per block and reflector panel (default :class:`LinalgTuning`'s ``reduction_tile``; reduced for small
+    ``n`` as the factorisations' tile is)."""
+    return BlockCyclic.create(n, LinalgTuning().reduction_tile if tile is None else tile, size)
 
 
 def tridiagonal_eigh_local(a: jax.Array, layout: BlockCyclic, vectors: bool

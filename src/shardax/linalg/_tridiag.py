@@ -17,10 +17,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..comm import allreduce
-from ..core import rank_info
+from ..core import rank_info, vary_like
 from ._layout import BlockCyclic, global_columns
 from ._potrf import phase_bounds
-from ._vary import index, vary_like
+from ._slice_index import index
 
 # Static row/column windows of the reduction and back-transformation loops (as in ``_potrf``): phase q only touches
 # rows and local columns past its start. More phases cut the flops and memory traffic; fewer cut compile time.

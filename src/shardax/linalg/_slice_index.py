@@ -1,11 +1,9 @@
-"""Typing helpers: manual-axis variance of loop carries and ``cond`` branches, and int32 slice indices."""
+"""Start indices for ``lax.dynamic_slice`` and ``dynamic_update_slice`` in the local-view kernels."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
-from ..core import vary_like as vary_like
 
 
 def index(*starts: jax.Array | int) -> tuple[jax.Array, ...]:

@@ -1,4 +1,4 @@
-"""The differentiable local-view solver: factor, solve, log-determinant, with a custom VJP.
+"""``potrs`` in the local view: factor, solve and log-determinant as one differentiable step, with a custom VJP.
 
 Only the lower triangle of ``a`` is read (LAPACK's convention), so the VJP is the transpose of the map from that
 triangle to the Hermitian matrix it stands for: ``a_bar = tril(G, -1) + tril(G^H, -1) + diag(Re diag G)`` where
@@ -13,11 +13,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ..core import rank_info
+from ..core import rank_info, vary_like
 from ._layout import BlockCyclic, global_columns
 from ._potrf import potrf_local
 from ._solve import cho_solve_local, inverse_local, logdet_local
-from ._vary import vary_like
 
 
 def _real_dtype(dtype: jnp.dtype) -> jnp.dtype:
