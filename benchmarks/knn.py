@@ -187,7 +187,7 @@ def loop_steps(data, k: int, box: float | None, tuning: str | None) -> dict:
     n, dim = data.shape
     ok, ids = jnp.ones((n,), bool), jnp.arange(n, dtype=jnp.int32)
     boxv = None if box is None else jnp.full((dim,), box, data.dtype)
-    steps = local_knn_steps(data, ok, data, ok, ids, k, boxv, tuning=resolve(tuning, "benchmark"))[2]
+    steps = local_knn_steps(data, ok, data, ok, ids, k=k, box=boxv, tuning=resolve(tuning, "benchmark"))[2]
     return {**{name: int(v) for name, v in steps._asdict().items()}, "total": int(steps.total)}
 
 

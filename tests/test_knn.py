@@ -369,8 +369,8 @@ def test_gpu_tuning_steps_at_a_million() -> None:
     n, k = 1_000_000, 9
     pos = np.random.default_rng(13).random((n, 3), dtype=np.float32)
     ok, ids = jnp.ones(n, bool), jnp.arange(n, dtype=jnp.int32)
-    dist2, rows, steps = local_knn_steps(jnp.asarray(pos), ok, jnp.asarray(pos), ok, ids, k, jnp.ones(3, jnp.float32),
-                                         tuning=KnnTuning(preset="gpu"))
+    dist2, rows, steps = local_knn_steps(jnp.asarray(pos), ok, jnp.asarray(pos), ok, ids, k=k,
+                                         box=jnp.ones(3, jnp.float32), tuning=KnnTuning(preset="gpu"))
     assert int(steps.first) <= 16, steps
     assert int(steps.adapt) == 0 and int(steps.total) <= 64, steps
     sample = np.random.default_rng(14).choice(n, 20_000, replace=False)

@@ -271,7 +271,7 @@ def _knn(part: Any, k: int, *, box: Box, query: Any, reduce: Reduce | None, ghos
         # Separate query points on a mesh: every device searches all particles (exact, not scalable).
         pos, valid, ids = (allgather(x, tiled=True) for x in (pos, valid, ids))
 
-    dist2, rows = local_knn(pos, valid, qpos, qvalid, ids, k, boxv, tuning)
+    dist2, rows = local_knn(pos, valid, qpos, qvalid, ids, k=k, box=boxv, tuning=tuning)
     distances = jnp.sqrt(dist2)
     indices = jnp.where(rows >= 0, ids[jnp.maximum(rows, 0)], -1)
     if reduce is not None:

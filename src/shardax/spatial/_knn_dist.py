@@ -109,7 +109,7 @@ def distributed_knn(part: Any, pos: jax.Array, valid: jax.Array, ids: jax.Array,
         zleaves[i] = field
     no = jnp.zeros((), bool)
     if size == 1:
-        dist2, found = local_knn(zpos, zvalid, zpos, zvalid, zids, k, boxv, tuning)
+        dist2, found = local_knn(zpos, zvalid, zpos, zvalid, zids, k=k, box=boxv, tuning=tuning)
         all_ids, wanted, received, ghost_overflow = zids, jnp.int32(0), jnp.int32(0), no
     else:
         dist2, found, all_ids, wanted, received, ghost_overflow = _with_ghosts(zpos, zvalid, zids, k, boxv, capacity,
@@ -150,7 +150,7 @@ def _with_ghosts(zpos: jax.Array, zvalid: jax.Array, zids: jax.Array, k: int, bo
     rows = jnp.arange(n, dtype=jnp.int32)
 
     # Bounding pass on own rows only: the true k-th distance is at most this one.
-    radius = jnp.sqrt(kth_distance_bound(zpos, zvalid, k, boxv, tuning))
+    radius = jnp.sqrt(kth_distance_bound(zpos, zvalid, k=k, box=boxv, tuning=tuning))
     chunk = -(-n // chunks)
     run = jnp.minimum(rows // chunk, chunks - 1)
     big = jnp.asarray(jnp.inf, zpos.dtype)
@@ -172,5 +172,5 @@ def _with_ghosts(zpos: jax.Array, zvalid: jax.Array, zids: jax.Array, k: int, bo
     all_pos = jnp.concatenate([zpos, ghosts["pos"]])
     all_valid = jnp.concatenate([zvalid, jnp.arange(capacity) < ghost_num])
     all_ids = jnp.concatenate([zids, jnp.where(all_valid[n:], ghosts["ids"], jnp.iinfo(jnp.int32).max)])
-    dist2, found = local_knn(all_pos, all_valid, zpos, zvalid, all_ids, k, boxv, tuning)
+    dist2, found = local_knn(all_pos, all_valid, zpos, zvalid, all_ids, k=k, box=boxv, tuning=tuning)
     return dist2, found, all_ids, wanted, received, ghost_overflow

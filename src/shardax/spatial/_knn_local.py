@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..core import vary_like
-from ._grid import Domain, make_grid, open_domain, periodic_domain, wrap
-from ._knn_pass import grid_pass, pair_dist2, positions_of, sort_data
+from ._grid import Domain, Grid, make_grid, open_domain, periodic_domain, wrap
+from ._knn_pass import PassResult, SortedData, grid_pass, pair_dist2, positions_of, sort_data
 from ._knn_tuning import KnnTuning, Sizes, resolve, sizes
 
 
@@ -43,6 +43,8 @@ class Steps(NamedTuple):
 
 
 class _AdaptState(NamedTuple):
+    """The loop carry of the adaptive full passes."""
+
     passes: jax.Array  # full passes run
     finest: jax.Array  # finest and coarsest grid level used so far
     coarsest: jax.Array
@@ -54,6 +56,8 @@ class _AdaptState(NamedTuple):
 
 
 class _SweepState(NamedTuple):
+    """The loop carry of the compacted level sweep."""
+
     passes: jax.Array  # compacted passes run
     level: jax.Array  # the grid level of this pass
     finest: jax.Array
@@ -65,9 +69,25 @@ class _SweepState(NamedTuple):
     steps: jax.Array
 
 
+class _Problem(NamedTuple):
+    """What every pass of one search reads: the data and queries wrapped into the domain, the data sorted on the
+    first grid, and the static sizes."""
+
+    pos: jax.Array  # (n, d)
+    data_valid: jax.Array  # (n,)
+    query_pos: jax.Array  # (m, d)
+    domain: Domain
+    count: jax.Array  # valid data rows
+    grid0: Grid  # the first grid (level 0)
+    data0: SortedData  # the data sorted on it
+    k: int
+    size: Sizes
+    subset: int  # queries per compacted pass
+
+
 @functools.partial(jax.jit, static_argnames=("k", "tuning"))
 def local_knn(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array, query_valid: jax.Array,
-              order: jax.Array, k: int, box: jax.Array | None,
+              order: jax.Array, *, k: int, box: jax.Array | None,
               tuning: KnnTuning | None = None) -> tuple[jax.Array, jax.Array]:
     """Exact kNN of the valid query rows among the valid data rows.
 
@@ -79,18 +99,20 @@ def local_knn(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array, query
         order: `(n,)` int32 tie-break rank of each data row (its global index); equal distances are ordered by it.
         k: neighbours per query.
         box: `(d,)` periodic box, or None for open boundaries.
-        tuning: the kernel's static sizes (None: the backend's preset).
+        tuning: the kernel's static sizes (None: the backend's preset). A small tuning sends small inputs through
+            every phase (adaptive passes, compacted passes, brute-force tiles); results are identical for every
+            tuning.
 
     Returns:
         ``(dist2, rows)``: `(m, k)` squared distances (ascending, ties by ``order``) and data row numbers;
         invalid query rows, and neighbours missing when fewer than ``k`` data rows exist, hold ``inf`` and ``-1``.
     """
-    return _search(pos, data_valid, query_pos, query_valid, order, k, box, tuning)[:2]
+    return _search(pos, data_valid, query_pos, query_valid, order, k=k, box=box, tuning=tuning)[:2]
 
 
 @functools.partial(jax.jit, static_argnames=("k", "tuning"))
 def local_knn_steps(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array, query_valid: jax.Array,
-                    order: jax.Array, k: int, box: jax.Array | None,
+                    order: jax.Array, *, k: int, box: jax.Array | None,
                     tuning: KnnTuning | None = None) -> tuple[jax.Array, jax.Array, Steps]:
     """:func:`local_knn` and the sequential loop :class:`Steps` it ran (a diagnostic for the tuning).
 
@@ -98,91 +120,126 @@ def local_knn_steps(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array,
         >>> import jax, jax.numpy as jnp
         >>> pos = jax.random.uniform(jax.random.key(0), (1000, 3))
         >>> ok, ids = jnp.ones(1000, bool), jnp.arange(1000, dtype=jnp.int32)
-        >>> d2, rows, steps = local_knn_steps(pos, ok, pos, ok, ids, 4, jnp.ones(3), tuning=KnnTuning(preset="gpu"))
+        >>> d2, rows, steps = local_knn_steps(pos, ok, pos, ok, ids, k=4, box=jnp.ones(3),
+        ...                                   tuning=KnnTuning(preset="gpu"))
         >>> rows[:3, 0].tolist(), int(steps.first)
         ([0, 1, 2], 1)
+        >>> tiny = KnnTuning(capacity=8, later_capacity=8, max_passes=1, brute_queries=64, brute_tile=256)
+        >>> steps = local_knn_steps(pos, ok, pos, ok, ids, k=4, box=jnp.ones(3), tuning=tiny)[2]
+        >>> bool(steps.adapt > 0 and steps.later > 0 and steps.brute > 0)     # every phase ran
+        True
     """
-    return _search(pos, data_valid, query_pos, query_valid, order, k, box, tuning)
+    return _search(pos, data_valid, query_pos, query_valid, order, k=k, box=box, tuning=tuning)
 
 
 def _search(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array, query_valid: jax.Array,
-            order: jax.Array, k: int, box: jax.Array | None,
+            order: jax.Array, *, k: int, box: jax.Array | None,
             tuning: KnnTuning | None) -> tuple[jax.Array, jax.Array, Steps]:
-    """The search of :func:`local_knn`, with its :class:`Steps`."""
-    dim = pos.shape[1]
+    """The search of :func:`local_knn`, with its :class:`Steps`: a first grid pass, adaptive full passes, a
+    compacted level sweep, brute force for the rest, and ties ordered by ``order``."""
     m = query_pos.shape[0]
-    size = sizes(resolve(tuning, "local_knn"), dim, k, m, pos.shape[0])
-    domain = open_domain(pos, data_valid) if box is None else periodic_domain(box.astype(pos.dtype))
-    pos = wrap(pos, domain)
-    query_pos = wrap(query_pos, domain)
-    count = jnp.sum(data_valid, dtype=jnp.int32)
-    full_pass = functools.partial(grid_pass, k=k, block=size.block, capacity=size.capacity, batch=size.batch,
-                                  search=size.search, slot_search=size.slot_search)
-
-    grid0 = make_grid(domain, count, size.per_cell, jnp.int32(0))
-    data0 = sort_data(pos, data_valid, domain, grid0)
-    first = full_pass(data0, query_pos, query_valid, domain, grid0, 1)
-    subset = min(m, max(size.later_queries, m // 16))
-
-    def many_left(state: _AdaptState) -> jax.Array:
-        return (state.passes < size.max_passes) & (jnp.sum(state.active) > subset)
-
-    def adapt(state: _AdaptState) -> _AdaptState:
-        # Many uncertified queries (clustered data): a full pass on a grid refined four-fold where most failures
-        # are overflowing candidate runs (dense clumps), else coarsened (voids).
-        active = state.active
-        finer = 2 * jnp.sum(active & state.truncated) >= jnp.sum(active)
-        level = jnp.where(finer, state.finest + 2, state.coarsest - 1)
-        grid = make_grid(domain, count, size.per_cell, level)
-        res = full_pass(sort_data(pos, data_valid, domain, grid), query_pos, active, domain, grid, 1,
-                        into=(state.dist2, state.rows))
-        return _AdaptState(state.passes + 1, jnp.maximum(state.finest, level), jnp.minimum(state.coarsest, level),
-                           active & ~res.certified, jnp.where(active, res.truncated, state.truncated), res.dist2,
-                           res.rows, state.steps + 1 + res.steps)
-
-    zero = jnp.int32(0)
-    state = _AdaptState(zero, zero, zero, query_valid & ~first.certified, first.truncated, first.dist2, first.rows,
-                        zero)
-    adapted = lax.while_loop(many_left, adapt, vary_like(state, query_pos))
-
-    def sweep_left(state: _SweepState) -> jax.Array:
-        return ((state.passes < 3 * size.max_passes) & jnp.any(state.active) & (state.level <= state.finest + 3))
-
-    def sweep(state: _SweepState) -> _SweepState:
-        # Few queries left: compacted passes searching two cells wide (a density window of about 50 per query),
-        # sweeping from coarse grids to the finest used so far in two-fold steps, so every query meets a grid
-        # that suits it; a level repeats until it has tried every active query.
-        level = state.level
-        grid = make_grid(domain, count, size.per_cell, level)
-        data = lax.cond(level == 0, lambda: vary_like(data0, query_pos),
-                        lambda: vary_like(sort_data(pos, data_valid, domain, grid), query_pos))
-        picked = positions_of(state.active & ~state.tried, subset, m)
-        sub = jnp.minimum(picked, m - 1)
-        res = grid_pass(data, query_pos[sub], picked < m, domain, grid, 2, k=k, block=size.block,
-                        capacity=size.later_capacity, batch=size.later_batch, search=size.search,
-                        slot_search=size.slot_search)
-        done = jnp.where((picked < m) & res.certified, picked, m)
-        active = state.active.at[done].set(False, mode="drop")
-        tried = state.tried.at[picked].set(True, mode="drop")
-        level_done = ~jnp.any(active & ~tried)
-        return _SweepState(state.passes + 1, jnp.where(level_done, level + 1, level), state.finest, state.coarsest,
-                           active, tried & ~level_done, state.dist2.at[done].set(res.dist2, mode="drop"),
-                           state.rows.at[done].set(res.rows, mode="drop"), state.steps + 1 + res.steps)
-
-    start = jnp.where(adapted.finest == 0, 0, jnp.maximum(adapted.coarsest - 1, -3))
-    state = _SweepState(zero, start, adapted.finest, adapted.coarsest, adapted.active,
-                        jnp.zeros_like(adapted.active), adapted.dist2, adapted.rows, zero)
-    swept = lax.while_loop(sweep_left, sweep, vary_like(state, query_pos))
-    dist2, rows, brute_steps = _brute_force(pos, data_valid, order, query_pos, swept.active, domain, swept.dist2,
-                                            swept.rows, k, size)
+    size = sizes(resolve(tuning, "local_knn"), pos.shape[1], k, m, pos.shape[0])
+    problem = _prepare(pos, data_valid, query_pos, k=k, box=box, size=size)
+    first = grid_pass(problem.data0, problem.query_pos, query_valid, domain=problem.domain, grid=problem.grid0,
+                      reach=1, k=k, tiles=size.full)
+    adapted = _adaptive_passes(problem, first, query_valid)
+    swept = _level_sweep(problem, adapted)
+    dist2, rows, brute_steps = _brute_force(problem, order, swept.active, into=(swept.dist2, swept.rows))
     dist2, rows = _order_ties(dist2, rows, order)
     found = query_valid[:, None] & jnp.isfinite(dist2)
     return (jnp.where(found, dist2, jnp.inf), jnp.where(found, rows, -1),
             Steps(first.steps, adapted.steps, swept.steps, brute_steps))
 
 
+def _domain(pos: jax.Array, data_valid: jax.Array, box: jax.Array | None) -> Domain:
+    return open_domain(pos, data_valid) if box is None else periodic_domain(box.astype(pos.dtype))
+
+
+def _prepare(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array, *, k: int, box: jax.Array | None,
+             size: Sizes) -> _Problem:
+    """The domain, the wrapped positions and the data sorted on the first grid."""
+    domain = _domain(pos, data_valid, box)
+    pos = wrap(pos, domain)
+    query_pos = wrap(query_pos, domain)
+    count = jnp.sum(data_valid, dtype=jnp.int32)
+    grid0 = make_grid(domain, count, size.per_cell, jnp.int32(0))
+    data0 = sort_data(pos, data_valid, domain, grid0)
+    m = query_pos.shape[0]
+    return _Problem(pos, data_valid, query_pos, domain, count, grid0, data0, k=k, size=size,
+                    subset=min(m, max(size.later_queries, m // 16)))
+
+
+def _adaptive_passes(problem: _Problem, first: PassResult, query_valid: jax.Array) -> _AdaptState:
+    """Full passes on refined or coarsened grids while many queries are uncertified (up to ``max_passes``)."""
+    zero = jnp.int32(0)
+    state = _AdaptState(passes=zero, finest=zero, coarsest=zero, active=query_valid & ~first.certified,
+                        truncated=first.truncated, dist2=first.dist2, rows=first.rows, steps=zero)
+    return lax.while_loop(functools.partial(_many_left, problem), functools.partial(_adapt, problem),
+                          vary_like(state, problem.query_pos))
+
+
+def _many_left(problem: _Problem, state: _AdaptState) -> jax.Array:
+    return (state.passes < problem.size.max_passes) & (jnp.sum(state.active) > problem.subset)
+
+
+def _adapt(problem: _Problem, state: _AdaptState) -> _AdaptState:
+    # Many uncertified queries (clustered data): a full pass on a grid refined four-fold where most failures are
+    # overflowing candidate runs (dense clumps), else coarsened (voids).
+    active = state.active
+    finer = 2 * jnp.sum(active & state.truncated) >= jnp.sum(active)
+    level = jnp.where(finer, state.finest + 2, state.coarsest - 1)
+    grid = make_grid(problem.domain, problem.count, problem.size.per_cell, level)
+    data = sort_data(problem.pos, problem.data_valid, problem.domain, grid)
+    res = grid_pass(data, problem.query_pos, active, domain=problem.domain, grid=grid, reach=1, k=problem.k,
+                    tiles=problem.size.full, into=(state.dist2, state.rows))
+    return _AdaptState(passes=state.passes + 1, finest=jnp.maximum(state.finest, level),
+                       coarsest=jnp.minimum(state.coarsest, level), active=active & ~res.certified,
+                       truncated=jnp.where(active, res.truncated, state.truncated), dist2=res.dist2, rows=res.rows,
+                       steps=state.steps + 1 + res.steps)
+
+
+def _level_sweep(problem: _Problem, adapted: _AdaptState) -> _SweepState:
+    """Compacted passes over the queries still uncertified, sweeping the grid levels from coarse to fine."""
+    zero = jnp.int32(0)
+    start = jnp.where(adapted.finest == 0, 0, jnp.maximum(adapted.coarsest - 1, -3))
+    state = _SweepState(passes=zero, level=start, finest=adapted.finest, coarsest=adapted.coarsest,
+                        active=adapted.active, tried=jnp.zeros_like(adapted.active), dist2=adapted.dist2,
+                        rows=adapted.rows, steps=zero)
+    return lax.while_loop(functools.partial(_sweep_left, problem), functools.partial(_sweep, problem),
+                          vary_like(state, problem.query_pos))
+
+
+def _sweep_left(problem: _Problem, state: _SweepState) -> jax.Array:
+    return ((state.passes < 3 * problem.size.max_passes) & jnp.any(state.active)
+            & (state.level <= state.finest + 3))
+
+
+def _sweep(problem: _Problem, state: _SweepState) -> _SweepState:
+    # Few queries left: compacted passes searching two cells wide (a density window of about 50 per query),
+    # sweeping from coarse grids to the finest used so far in two-fold steps, so every query meets a grid that
+    # suits it; a level repeats until it has tried every active query.
+    m = problem.query_pos.shape[0]
+    level = state.level
+    grid = make_grid(problem.domain, problem.count, problem.size.per_cell, level)
+    data = lax.cond(level == 0, lambda: vary_like(problem.data0, problem.query_pos),
+                    lambda: vary_like(sort_data(problem.pos, problem.data_valid, problem.domain, grid),
+                                      problem.query_pos))
+    picked = positions_of(state.active & ~state.tried, problem.subset, m)
+    sub = jnp.minimum(picked, m - 1)
+    res = grid_pass(data, problem.query_pos[sub], picked < m, domain=problem.domain, grid=grid, reach=2,
+                    k=problem.k, tiles=problem.size.compacted)
+    done = jnp.where((picked < m) & res.certified, picked, m)
+    active = state.active.at[done].set(False, mode="drop")
+    tried = state.tried.at[picked].set(True, mode="drop")
+    level_done = ~jnp.any(active & ~tried)
+    return _SweepState(passes=state.passes + 1, level=jnp.where(level_done, level + 1, level), finest=state.finest,
+                       coarsest=state.coarsest, active=active, tried=tried & ~level_done,
+                       dist2=state.dist2.at[done].set(res.dist2, mode="drop"),
+                       rows=state.rows.at[done].set(res.rows, mode="drop"), steps=state.steps + 1 + res.steps)
+
+
 @functools.partial(jax.jit, static_argnames=("k", "tuning"))
-def kth_distance_bound(pos: jax.Array, data_valid: jax.Array, k: int, box: jax.Array | None,
+def kth_distance_bound(pos: jax.Array, data_valid: jax.Array, *, k: int, box: jax.Array | None,
                        tuning: KnnTuning | None = None) -> jax.Array:
     """An upper bound `(n,)` on each valid row's squared k-th neighbour distance among the valid rows.
 
@@ -190,53 +247,78 @@ def kth_distance_bound(pos: jax.Array, data_valid: jax.Array, k: int, box: jax.A
     where a row saw fewer than k candidates).
     """
     size = sizes(resolve(tuning, "kth_distance_bound"), pos.shape[1], k, pos.shape[0], pos.shape[0])
-    domain = open_domain(pos, data_valid) if box is None else periodic_domain(box.astype(pos.dtype))
+    domain = _domain(pos, data_valid, box)
     pos = wrap(pos, domain)
     grid = make_grid(domain, jnp.sum(data_valid, dtype=jnp.int32), size.per_cell, jnp.int32(0))
-    res = grid_pass(sort_data(pos, data_valid, domain, grid), pos, data_valid, domain, grid, 1, k=k,
-                    block=size.block, capacity=size.capacity, batch=size.batch, search=size.search,
-                    slot_search=size.slot_search)
+    res = grid_pass(sort_data(pos, data_valid, domain, grid), pos, data_valid, domain=domain, grid=grid, reach=1,
+                    k=k, tiles=size.full)
     return jnp.where(data_valid, res.dist2[:, k - 1], jnp.inf)
 
 
-def _brute_force(pos: jax.Array, data_valid: jax.Array, order: jax.Array, query_pos: jax.Array,
-                 active: jax.Array, domain: Domain, dist2: jax.Array, rows: jax.Array, k: int,
-                 size: Sizes) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Replace the results of the ``active`` queries by a scan over all data in ``order``; also the steps run."""
-    n, dim = pos.shape
-    m = query_pos.shape[0]
-    tile, chunk = min(size.brute_tile, n), min(size.brute_queries, m)
-    num_tiles = -(-n // tile)
-    pad = num_tiles * tile - n
-    # Data in tie-break order: top_k keeps the earlier of equal values, and the kept best come first.
-    _, by_order = lax.sort((jnp.where(data_valid, order, jnp.iinfo(jnp.int32).max),
-                            jnp.arange(n, dtype=jnp.int32)), num_keys=1, is_stable=True)
-    tiles_pos = jnp.pad(pos[by_order], ((0, pad), (0, 0))).reshape(num_tiles, tile, dim)
-    tiles_valid = jnp.pad(data_valid[by_order], (0, pad)).reshape(num_tiles, tile)
-    tiles_row = jnp.pad(by_order, (0, pad)).reshape(num_tiles, tile)
+class _Best(NamedTuple):
+    """The brute force's loop carry: squared distances and data rows `(queries, k)`."""
+
+    dist2: jax.Array
+    rows: jax.Array
+
+
+class _DataTiles(NamedTuple):
+    """The data in tie-break order, cut into brute-force tiles: positions `(tiles, tile, d)`, valid `(tiles, tile)`,
+    original rows `(tiles, tile)`."""
+
+    pos: jax.Array
+    valid: jax.Array
+    rows: jax.Array
+
+
+def _brute_force(problem: _Problem, order: jax.Array, active: jax.Array, *,
+                 into: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Replace the results ``into`` of the ``active`` queries by a scan over all data in ``order``, in chunks of
+    ``brute_queries`` queries against tiles of ``brute_tile`` rows; also the steps run."""
+    n = problem.pos.shape[0]
+    m = problem.query_pos.shape[0]
+    tile, chunk = min(problem.size.brute_tile, n), min(problem.size.brute_queries, m)
+    tiles = _ordered_tiles(problem, order, tile=tile)
+    num_tiles = tiles.pos.shape[0]
     num_active = jnp.sum(active, dtype=jnp.int32)
     todo = jnp.pad(positions_of(active, m, m), (0, chunk), constant_values=m)
 
-    def run_chunk(c: jax.Array, out: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def run_chunk(c: jax.Array, out: _Best) -> _Best:
         qi = lax.dynamic_slice_in_dim(todo, c * chunk, chunk)
-        qp = query_pos[jnp.minimum(qi, m - 1)]
-
-        def scan_tile(t: jax.Array, best: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-            # The tile's own best first (the earlier row of equal distances), then merged behind the best so far.
-            d2 = pair_dist2(qp, tiles_pos[t], domain)
-            neg, pick = lax.top_k(-jnp.where(tiles_valid[t][None, :], d2, jnp.inf), min(k, tile))
-            both_d2 = jnp.concatenate([best[0], -neg], axis=1)
-            both_rows = jnp.concatenate([best[1], tiles_row[t][pick]], axis=1)
-            neg, pick = lax.top_k(-both_d2, k)
-            return -neg, jnp.take_along_axis(both_rows, pick, axis=1)
-
-        init = (jnp.full((chunk, k), jnp.inf, pos.dtype), jnp.zeros((chunk, k), jnp.int32))
-        best_d2, best_rows = lax.fori_loop(0, num_tiles, scan_tile, vary_like(init, qp))
-        return out[0].at[qi].set(best_d2, mode="drop"), out[1].at[qi].set(best_rows, mode="drop")
+        qp = problem.query_pos[jnp.minimum(qi, m - 1)]
+        init = _Best(jnp.full((chunk, problem.k), jnp.inf, problem.pos.dtype),
+                     jnp.zeros((chunk, problem.k), jnp.int32))
+        best = lax.fori_loop(0, num_tiles, functools.partial(_scan_tile, tiles, qp, problem.domain, problem.k),
+                             vary_like(init, qp))
+        return _Best(out.dist2.at[qi].set(best.dist2, mode="drop"), out.rows.at[qi].set(best.rows, mode="drop"))
 
     num_chunks = (num_active + chunk - 1) // chunk
-    dist2, rows = lax.fori_loop(0, num_chunks, run_chunk, vary_like((dist2, rows), query_pos))
-    return dist2, rows, num_chunks * (1 + num_tiles)
+    out = lax.fori_loop(0, num_chunks, run_chunk, vary_like(_Best(*into), problem.query_pos))
+    return out.dist2, out.rows, num_chunks * (1 + num_tiles)
+
+
+def _ordered_tiles(problem: _Problem, order: jax.Array, *, tile: int) -> _DataTiles:
+    """The data in tie-break order (invalid rows last), padded to whole tiles of ``tile`` rows."""
+    n, dim = problem.pos.shape
+    num_tiles = -(-n // tile)
+    pad = num_tiles * tile - n
+    # Data in tie-break order: top_k keeps the earlier of equal values, and the kept best come first.
+    _, by_order = lax.sort((jnp.where(problem.data_valid, order, jnp.iinfo(jnp.int32).max),
+                            jnp.arange(n, dtype=jnp.int32)), num_keys=1, is_stable=True)
+    return _DataTiles(pos=jnp.pad(problem.pos[by_order], ((0, pad), (0, 0))).reshape(num_tiles, tile, dim),
+                  valid=jnp.pad(problem.data_valid[by_order], (0, pad)).reshape(num_tiles, tile),
+                  rows=jnp.pad(by_order, (0, pad)).reshape(num_tiles, tile))
+
+
+def _scan_tile(tiles: _DataTiles, qp: jax.Array, domain: Domain, k: int, t: jax.Array, best: _Best) -> _Best:
+    # The tile's own best first (the earlier row of equal distances), then merged behind the best so far.
+    tile = tiles.pos.shape[1]
+    d2 = pair_dist2(qp, tiles.pos[t], domain)
+    neg, pick = lax.top_k(-jnp.where(tiles.valid[t][None, :], d2, jnp.inf), min(k, tile))
+    both_d2 = jnp.concatenate([best.dist2, -neg], axis=1)
+    both_rows = jnp.concatenate([best.rows, tiles.rows[t][pick]], axis=1)
+    neg, pick = lax.top_k(-both_d2, k)
+    return _Best(-neg, jnp.take_along_axis(both_rows, pick, axis=1))
 
 
 def _order_ties(dist2: jax.Array, rows: jax.Array, order: jax.Array) -> tuple[jax.Array, jax.Array]:

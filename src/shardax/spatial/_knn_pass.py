@@ -24,6 +24,7 @@ from jax import lax
 from .._wordsort import sort_words
 from ..core import vary_like
 from ._grid import SENTINEL_KEY, Domain, Grid, axis_margin, cell_coords, cell_keys
+from ._knn_tuning import Tiles
 
 
 class PassResult(NamedTuple):
@@ -75,6 +76,16 @@ def _row_offsets(dim: int, reach: int) -> list[tuple[int, ...]]:
     return list(itertools.product(_axis_offsets(reach), repeat=dim - 1))
 
 
+class _Answers(NamedTuple):
+    """A grid pass's loop carry, per query in the query order: squared distances and data rows `(m, k)`, whether
+    the answer is certified and whether a candidate run was cut off `(m,)`."""
+
+    dist2: jax.Array
+    rows: jax.Array
+    certified: jax.Array
+    truncated: jax.Array
+
+
 class SortedData(NamedTuple):
     """Data sorted by the cell keys of one grid: keys `(n,)`, original rows `(n,)`, positions `(n, d)`."""
 
@@ -90,10 +101,8 @@ def sort_data(data_pos: jax.Array, data_valid: jax.Array, domain: Domain, grid: 
     return SortedData(keys, rows, data_pos[rows])
 
 
-def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, domain: Domain, grid: Grid,
-              reach: int, *, k: int, block: int, capacity: int, batch: int,
-              search: str = "scan", slot_search: str = "compare_all",
-              into: tuple[jax.Array, jax.Array] | None = None) -> PassResult:
+def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, *, domain: Domain, grid: Grid,
+              reach: int, k: int, tiles: Tiles, into: tuple[jax.Array, jax.Array] | None = None) -> PassResult:
     """Answer the ``active`` queries whose result this grid certifies (see the module docstring).
 
     Args:
@@ -104,11 +113,8 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, domain:
         grid: the cell grid of this pass.
         reach: cells searched on each side of a block's cells along every axis.
         k: neighbours per query.
-        block: queries per block.
-        capacity: candidate slots per block (at least ``k + 1``).
-        batch: blocks processed together in one dense tile (one sequential step).
-        search: ``jnp.searchsorted``'s method for finding the candidate runs in the sorted data.
-        slot_search: ``jnp.searchsorted``'s method for finding each candidate slot's run.
+        tiles: queries per block, candidate slots per block (at least ``k + 1``), blocks per sequential step and
+            the ``jnp.searchsorted`` methods (see :class:`~shardax.spatial._knn_tuning.Tiles`).
         into: `(m, k)` squared distances and rows to write the certified results into (the other rows keep their
             values; one set of result buffers for all passes); None: fresh ones, with every active query's
             candidates, certified or not.
@@ -116,6 +122,7 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, domain:
     Returns:
         ``PassResult`` for every query (meaningful where ``certified``); ``rows`` are data row numbers.
     """
+    block, capacity, batch = tiles.block, tiles.capacity, tiles.batch
     dim = data.pos.shape[1]
     m = query_pos.shape[0]
     dtype = data.pos.dtype
@@ -141,7 +148,7 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, domain:
     offsets = _row_offsets(dim, reach)
     inf = jnp.asarray(jnp.inf, dtype)
 
-    def run_batch(b: jax.Array, out: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    def run_batch(b: jax.Array, out: _Answers) -> _Answers:
         bid = b * batch + jnp.arange(batch, dtype=jnp.int32)
         start = block_starts[jnp.minimum(bid, m)]
         end = jnp.where(bid < num_blocks, block_starts[jnp.minimum(bid + 1, m)], start)
@@ -153,13 +160,13 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, domain:
         x0 = first[:, 0]
         x1 = qcoords[jnp.clip(end - 1, 0, m - 1), 0]
 
-        range_start, range_len = _candidate_runs(dkeys, first, x0, x1, grid, offsets, reach, domain.periodic,
-                                                 search)
+        range_start, range_len = _candidate_runs(dkeys, first, x0, x1, grid=grid, offsets=offsets, reach=reach,
+                                                 periodic=domain.periodic, search=tiles.search)
         cum = jnp.cumsum(range_len, axis=1)
         total = cum[:, -1]
         truncated = total > capacity
         slot = jnp.arange(capacity, dtype=jnp.int32)
-        which = jax.vmap(lambda ends: jnp.searchsorted(ends, slot, side="right", method=slot_search))(cum)
+        which = jax.vmap(lambda ends: jnp.searchsorted(ends, slot, side="right", method=tiles.slot_search))(cum)
         which = jnp.minimum(which.astype(jnp.int32), range_len.shape[1] - 1)
         before = jnp.take_along_axis(cum - range_len, which, axis=1)
         drow = jnp.take_along_axis(range_start, which, axis=1) + slot[None, :] - before
@@ -181,25 +188,25 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, domain:
 
         # Written straight to the input order: no sorted-order copy of the results.
         target = jnp.where(qvalid, qperm[qi], m)
-        out_d2, out_rows, out_ok, out_trunc = out
         answer = target if into is None else jnp.where(ok, target, m)
-        out_d2 = out_d2.at[answer].set(best[..., :k], mode="drop")
-        out_rows = out_rows.at[answer].set(dperm[rows[..., :k]], mode="drop")
-        out_ok = out_ok.at[target].set(ok, mode="drop")
-        out_trunc = out_trunc.at[target].set(jnp.broadcast_to(truncated[:, None], qvalid.shape), mode="drop")
-        return out_d2, out_rows, out_ok, out_trunc
+        return _Answers(dist2=out.dist2.at[answer].set(best[..., :k], mode="drop"),
+                        rows=out.rows.at[answer].set(dperm[rows[..., :k]], mode="drop"),
+                        certified=out.certified.at[target].set(ok, mode="drop"),
+                        truncated=out.truncated.at[target].set(jnp.broadcast_to(truncated[:, None], qvalid.shape),
+                                                               mode="drop"))
 
-    results = (jnp.full((m, k), jnp.inf, dtype), jnp.zeros((m, k), jnp.int32)) if into is None else into
-    init = (*results, jnp.zeros((m,), bool), jnp.zeros((m,), bool))
+    dist2, rows = (jnp.full((m, k), jnp.inf, dtype), jnp.zeros((m, k), jnp.int32)) if into is None else into
+    init = _Answers(dist2, rows, certified=jnp.zeros((m,), bool), truncated=jnp.zeros((m,), bool))
     num_batches = (num_blocks + batch - 1) // batch
     out = lax.fori_loop(0, num_batches, run_batch, vary_like(init, qpos))
-    return PassResult(*out, steps=num_batches)
+    return PassResult(out.dist2, out.rows, out.certified, out.truncated, steps=num_batches)
 
 
-def _candidate_runs(dkeys: jax.Array, first: jax.Array, x0: jax.Array, x1: jax.Array, grid: Grid,
+def _candidate_runs(dkeys: jax.Array, first: jax.Array, x0: jax.Array, x1: jax.Array, *, grid: Grid,
                     offsets: list[tuple[int, ...]], reach: int, periodic: bool,
                     search: str) -> tuple[jax.Array, jax.Array]:
-    """Start and length `(B, R)` in the sorted data of every run of candidate cells of each block."""
+    """Start and length `(B, R)` in the sorted data of every run of candidate cells of each block (`first: (B, d)`
+    the cell of a block's first query, `x0, x1: (B,)` its first and last cell along axis 0)."""
     gx = grid.cells[0]
     a, b = x0 - reach, x1 + reach
     if periodic:

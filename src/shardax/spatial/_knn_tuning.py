@@ -101,6 +101,17 @@ def resolve(tuning: KnnTuning | str | None, where: str, devices: Any = None) -> 
     return resolve_tuning(tuning, PRESETS, KnnTuning, where, devices)
 
 
+class Tiles(NamedTuple):
+    """How one grid pass cuts its work (static): queries per block, candidate slots per block, blocks per
+    sequential step, and the ``jnp.searchsorted`` methods of the candidate runs and of each slot's run."""
+
+    block: int
+    capacity: int
+    batch: int
+    search: SearchMethod
+    slot_search: SearchMethod
+
+
 class Sizes(NamedTuple):
     """Every size of :class:`KnnTuning`, filled in for one problem (static)."""
 
@@ -116,6 +127,16 @@ class Sizes(NamedTuple):
     brute_tile: int
     search: SearchMethod
     slot_search: SearchMethod
+
+    @property
+    def full(self) -> Tiles:
+        """The tiles of the full passes (the first grid and the adapted grids)."""
+        return Tiles(self.block, self.capacity, self.batch, self.search, self.slot_search)
+
+    @property
+    def compacted(self) -> Tiles:
+        """The tiles of the compacted later passes."""
+        return Tiles(self.block, self.later_capacity, self.later_batch, self.search, self.slot_search)
 
 
 def sizes(tuning: KnnTuning, dim: int, k: int, m: int, n: int) -> Sizes:
