@@ -7,6 +7,10 @@ in the same process on the same device, timed round-robin (``--repeat`` calls af
 waited for); the table gives the fastest call of each and their ratio (target: at most 1.1), and the ratio of the
 medians.
 
+The ``overhead`` rows time the wrapper alone: ``sx.smap``, an ``sx.distributed`` function's ``.smap`` and
+``conservation.smap`` on a few rows, each timing ``--calls`` calls in a loop, against ``jax.jit`` of the same local
+function; their last column is the wrapper's added cost per call in microseconds.
+
     python benchmarks/wrappers.py                           # moderate sizes on the default backend
     python benchmarks/wrappers.py --particles 10000000 --grid 256 --linalg 8192   # GPU sizes
 """
@@ -26,6 +30,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--grid", type=int, default=64, help="grid points per axis of paint/readout/power/fftn")
     parser.add_argument("--linalg", type=int, default=1024, help="matrix order of potrs (float32)")
     parser.add_argument("--repeat", type=int, default=7, help="timed calls of each (default 7)")
+    parser.add_argument("--calls", type=int, default=200, help="calls per timing of the overhead rows (default 200)")
     parser.add_argument("--only", default="", help="comma-separated kernels to run (default: all)")
     return parser.parse_args()
 
@@ -49,6 +54,20 @@ def _interleaved(pairs: dict[str, tuple[Callable[[], Any], Callable[[], Any]]], 
 
 
 def _cases(args: argparse.Namespace) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
+    """The requested ``(global, local)`` pairs: kernels built only when one is asked for."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    only = [name for name in args.only.split(",") if name]
+    mesh = Mesh(np.array([jax.devices()[0]]), ("d",))
+    cases = {} if only and all(name in _OVERHEAD for name in only) else _kernel_cases(args)
+    cases.update(_overhead_cases(mesh, args.calls))
+    return {name: fns for name, fns in cases.items() if not only or name in only}
+
+
+def _kernel_cases(args: argparse.Namespace) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
+    """Every kernel's global function and its local view, on one device."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -96,7 +115,7 @@ def _cases(args: argparse.Namespace) -> dict[str, tuple[Callable[[], Any], Calla
     local_knn = jax.jit(lambda p: sx.spatial.knn(p, 9, box=1.0))
     local_fof = jax.jit(lambda p: sx.spatial.fof(p, linking_length, box=1.0))
     global_knn, global_fof = sx.spatial.knn.smap(mesh), sx.spatial.fof.smap(mesh)
-    cases = {
+    return {
         "paint": (lambda: sx.fields.paint(part, shape, box=1.0), lambda: local_paint(local)),
         "readout": (lambda: sx.fields.readout(rho, part, box=1.0), lambda: local_readout(rho_local, local)),
         "power_spectrum": (lambda: sx.fields.power_spectrum(delta, box=1.0, bins=16),
@@ -107,8 +126,44 @@ def _cases(args: argparse.Namespace) -> dict[str, tuple[Callable[[], Any], Calla
         "fftn": (lambda: sx.fft.fftn(field), lambda: local_fft(field_local)),
         "potrs": (lambda: sx.linalg.potrs(a, b), lambda: local_solve(a_cyclic, b_local)),
     }
-    only = [name for name in args.only.split(",") if name]
-    return {name: fns for name, fns in cases.items() if not only or name in only}
+
+
+_OVERHEAD = ("smap overhead", "distributed overhead", "conservation overhead")
+
+
+def _overhead_cases(mesh: Any, calls: int) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
+    """Wrappers around a trivial body, ``calls`` calls per timing: what a global wrapper adds to each call."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    import shardax as sx
+
+    def scaled(x, *, factor=2.0):
+        return x * factor
+
+    global_scaled = sx.smap(scaled, in_specs=(P(sx.ALL),), out_specs=P(sx.ALL), mesh=mesh, jit=True)
+    by_name = sx.distributed(scaled, in_specs={"x": P(sx.ALL)}, out_specs=P(sx.ALL)).smap(mesh)
+    local_scaled = jax.jit(scaled)
+    x, x_local = jnp.ones((1, 16)), jnp.ones((16,))
+    part = sx.particles.from_numpy(np.random.default_rng(0).random((16, 3), dtype=np.float32), mesh=mesh)
+    local_part = jax.tree.map(lambda a: a[0], part)
+    global_check = sx.particles.conservation.smap(mesh)
+    local_check = jax.jit(sx.particles.conservation)
+
+    def loop(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            for _ in range(calls - 1):
+                fn()
+            return fn()
+        return run
+
+    return {
+        "smap overhead": (loop(lambda: global_scaled(x)), loop(lambda: local_scaled(x_local))),
+        "distributed overhead": (loop(lambda: by_name(x, factor=3.0)), loop(lambda: local_scaled(x_local, factor=3.0))),
+        "conservation overhead": (loop(lambda: global_check(part)), loop(lambda: local_check(local_part))),
+    }
 
 
 def main() -> None:
@@ -120,10 +175,12 @@ def main() -> None:
     print(f"{device.device_kind} ({jax.default_backend()}), JAX {jax.__version__}: {args.particles} particles, "
           f"{args.grid}^3 grid, potrs N={args.linalg} float32; {args.repeat} calls each")
     # The fastest calls are the least disturbed by other load on a shared machine; medians are given too.
-    print(f"{'kernel':<16}{'global ms':>11}{'local ms':>11}{'ratio':>8}{'median ratio':>14}")
+    print(f"{'kernel':<22}{'global ms':>11}{'local ms':>11}{'ratio':>8}{'median ratio':>14}{'us/call':>9}")
     for name, (glob, loc) in times.items():
-        print(f"{name:<16}{1e3 * min(glob):>11.2f}{1e3 * min(loc):>11.2f}{min(glob) / min(loc):>8.2f}"
-              f"{statistics.median(glob) / statistics.median(loc):>14.2f}")
+        added = (f"{1e6 * (statistics.median(glob) - statistics.median(loc)) / args.calls:>9.1f}"
+                 if name in _OVERHEAD else "")
+        print(f"{name:<22}{1e3 * min(glob):>11.2f}{1e3 * min(loc):>11.2f}{min(glob) / min(loc):>8.2f}"
+              f"{statistics.median(glob) / statistics.median(loc):>14.2f}{added}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,9 @@
-"""sx.smap / sx.distributed / sx.rank_info: the expanding convention, ALL, static arguments, errors."""
+"""sx.smap / sx.distributed / sx.core.attach_global / sx.rank_info: the expanding convention, ALL, static
+arguments, the .smap constructors, errors.
+
+This module must not import conftest at import time: the children of ``sx.testing.run_distributed`` import it by
+path and keep the device count of the launcher.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
-from conftest import make_mesh
+
+
+def make_mesh(shape):
+    from conftest import make_mesh as conftest_mesh
+
+    return conftest_mesh(shape)
 
 
 def _jztree_guide_f(seed):
@@ -262,3 +272,81 @@ def test_guard_messages_name_the_difference():
     assert "their code differs" in _describe_difference(payload(8), payload(8, code="c2"), 0, 1)
     assert "float32(4, 8), process 0 with float32(4, 16)" in \
         _describe_difference(payload(8), payload(8, shape="float32(4, 8)"), 0, 1)
+
+
+def _row_total(x):
+    """Local view: the sum of every row of every device, replicated."""
+    return sx.comm.allreduce(jnp.sum(x, axis=0))
+
+
+_built: list = []
+
+
+def _global_row_total(mesh=None, *, jit=True, scale=1):
+    """``_row_total.smap(mesh=None, *, jit=True, scale=1)``: scale times the total of a global ``(ndev, n, d)``."""
+    _built.append((mesh, jit, scale))
+    fn = sx.smap(_row_total, in_specs=P(sx.ALL), out_specs=P(), mesh=mesh, jit=jit)
+
+    def call(x):
+        if jnp.ndim(x) != 3:  # a host-side check of the global argument, as the kernels' wrappers do
+            raise ValueError(f"_row_total.smap: x must have shape (ndev, n, d), got {jnp.shape(x)}")
+        return scale * fn(x)
+
+    return call
+
+
+sx.core.attach_global(_row_total, _global_row_total)
+
+
+def test_attach_global_results(mesh):
+    ndev = mesh.devices.size
+    x = np.random.default_rng(ndev).random((ndev, 5, 3)).astype(np.float32)
+    np.testing.assert_allclose(_row_total.smap(mesh)(jnp.asarray(x)), x.sum(axis=(0, 1)), rtol=1e-5)
+    np.testing.assert_allclose(_row_total.smap(mesh, scale=2)(jnp.asarray(x)), 2 * x.sum(axis=(0, 1)), rtol=1e-5)
+    np.testing.assert_allclose(_row_total(jnp.asarray(x[0])), x[0].sum(axis=0), rtol=1e-5)  # still the local view
+    with pytest.raises(ValueError, match=r"_row_total.smap: x must have shape \(ndev, n, d\)"):
+        _row_total.smap(mesh)(jnp.asarray(x[0]))
+
+
+def test_attach_global_constructor_cache_and_errors():
+    mesh, other = make_mesh((3,)), make_mesh((5,))  # meshes no other test builds on: the constructors are kept
+    _built.clear()
+    first = _row_total.smap(mesh)
+    assert _row_total.smap(mesh) is first and _row_total.smap(mesh, jit=True) is first
+    assert _row_total.smap(mesh, jit=False) is not first and _row_total.smap(other) is not first
+    assert _row_total.smap(mesh, scale=2) is _row_total.smap(mesh, scale=2) is not first
+    assert _row_total.smap(mesh, scale=2.0) is not _row_total.smap(mesh, scale=2)  # options told apart by type
+    assert _built == [(mesh, True, 1), (mesh, False, 1), (other, True, 1), (mesh, True, 2), (mesh, True, 2.0)]
+    assert type(_built[-1][2]) is float
+    assert _row_total.smap.__doc__ == _global_row_total.__doc__
+    with pytest.raises(TypeError, match=r"_row_total.smap: jit must be a bool, got 1"):
+        _row_total.smap(mesh, jit=1)
+    with pytest.raises(TypeError, match=r"_row_total.smap: mesh must be a jax.sharding.Mesh or None, got str"):
+        _row_total.smap("x")
+    with pytest.raises(TypeError, match=r"options must be hashable"):
+        _row_total.smap(mesh, scale=[2])
+    with pytest.raises(TypeError, match="attach_global needs two callables"):
+        sx.core.attach_global(_row_total, 3)
+    with pytest.raises(TypeError, match="name must be a str"):
+        sx.distributed(_row_total, name=3)
+
+
+def _smap_constructors_in_two_processes() -> dict:
+    """The .smap constructors at the third scale: distributed ones (particles) and attach_global's."""
+    mesh = sx.flat_mesh()
+    part = sx.particles.uniform.smap(mesh)(n=64, seed=5)
+    kept = sx.particles.conservation.smap(mesh)(part)
+    total = _row_total.smap(mesh, scale=2)(part.pos)
+    return {"count": int(kept.count), "checksum": int(kept.checksum), "total": np.asarray(total),
+            "pos": np.concatenate([np.asarray(s.data).reshape(-1, 3) for s in part.pos.addressable_shards])}
+
+
+@pytest.mark.multiprocess
+def test_smap_constructors_two_processes_by_four_devices():
+    results = sx.testing.run_distributed(_smap_constructors_in_two_processes, num_processes=2, cpu_devices=4,
+                                         timeout_s=600)
+    everything = np.concatenate([r["pos"] for r in results])  # every device's rows, padding included
+    for res in results:
+        assert res["count"] == 8 * 64
+        assert res["checksum"] == sx.particles.ids_checksum_numpy(np.arange(8 * 64))
+        np.testing.assert_allclose(res["total"], 2 * everything.sum(axis=0), rtol=1e-4)

@@ -27,7 +27,8 @@ def describe_arg(value: Any) -> str:
     return "{" + ", ".join(parts) + "}"
 
 
-def _leaf_signature(leaf: Any) -> tuple:
+def leaf_signature(leaf: Any) -> tuple:
+    """``(shape, dtype)`` of an array leaf, ``(shape, type name)`` of a Python scalar."""
     try:
         return leaf.shape, leaf.dtype
     except AttributeError:  # a Python scalar
@@ -54,12 +55,13 @@ class Guarded:
         self._arg_name = arg_name
         self._programs: dict[Hashable, Program] = {}
 
-    def check(self, key: Hashable, args: tuple, static: tuple[int, ...], leaves: list[Any], mesh: Mesh, *,
+    def check(self, key: Hashable, args: tuple, static: tuple[int, ...], shapes: tuple, mesh: Mesh, *,
               traced: bool) -> None:
-        """Guard one call: ``key`` is smap's cache key (mesh, static values, structure), ``leaves`` the array
-        leaves (their shapes and dtypes complete the signature). Steady state: two dictionary lookups."""
+        """Guard one call: ``key`` is smap's cache key (mesh, static values, structure), ``shapes`` the
+        :func:`leaf_signature` of each array leaf (they complete the signature). Steady state: two dictionary
+        lookups."""
         _, digest = function_items(self._f)
-        program_key = (digest, key, tuple(map(_leaf_signature, leaves)))
+        program_key = (digest, key, shapes)
         program = self._programs.get(program_key)
         if program is None:
             program = self._programs[program_key] = self._program(program_key, args, static, mesh)

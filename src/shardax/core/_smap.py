@@ -1,14 +1,20 @@
-"""shard_map extensions: ``ALL``, static arguments, the expanding convention and ``.smap`` constructors."""
+"""``smap``: ``jax.shard_map`` with ``ALL``, static arguments and the expanding convention, compiled once per
+signature and run under the program guard and the watchdog.
+
+A call of the global function goes through named steps: bind keyword arguments (:class:`_Local`), place the static
+arguments (:func:`_layout`), key the cache (:func:`_cache_key`), build on a new key (:func:`_build`: check the
+arguments against their specs, :func:`_shard_mapped`, :func:`_jit`), check a new set of shapes on a known key
+(:func:`_dynamic_specs`), guard the call (:class:`Guarded`) and run it (:func:`_run`).
+"""
 
 from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 from jax.core import Tracer
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -16,79 +22,16 @@ from .._compile import compile_ahead
 from .._guard import last_call
 from .._watchdog import watch
 from ..runtime import flat_mesh
-from ._guarded import Guarded
-
-
-class _AllAxes:
-    """Marker for "every mesh axis" in a PartitionSpec entry or as a whole spec (also spelled ``-1``)."""
-
-    _instance: _AllAxes | None = None
-
-    def __new__(cls) -> _AllAxes:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "ALL"
-
-    def __reduce__(self):
-        return (_AllAxes, ())
-
-
-ALL = _AllAxes()
-
-
-def _is_all(entry: Any) -> bool:
-    return entry is ALL or (isinstance(entry, int) and not isinstance(entry, bool) and entry == -1)
-
-
-def _is_spec(x: Any) -> bool:
-    return x is None or isinstance(x, PartitionSpec) or _is_all(x)
-
-
-def _is_spec_value(x: Any) -> bool:
-    """A spec in a full (broadcast) spec tree, where ``None`` is an empty subtree (a ``None`` field), not a spec."""
-    return isinstance(x, PartitionSpec) or _is_all(x)
-
-
-def resolve_spec(spec: Any, mesh: Mesh, where: str) -> PartitionSpec:
-    """``spec`` with ``ALL``/``-1`` replaced by every axis of ``mesh``; unknown axis names are an error."""
-    axes = tuple(mesh.axis_names)
-    if _is_all(spec):
-        return PartitionSpec(axes)
-    if not isinstance(spec, PartitionSpec):
-        raise TypeError(f"{where}: expected a PartitionSpec, sx.ALL or None, got {spec!r}")
-    entries = []
-    used: set[str] = set()
-    for entry in spec:
-        if _is_all(entry):
-            entry = axes
-        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
-            entries.append(entry)
-            continue
-        if isinstance(entry, str):
-            names: tuple = (entry,)
-        elif isinstance(entry, tuple | list) and all(isinstance(n, str) for n in entry):
-            names = tuple(entry)
-        else:
-            raise TypeError(f"{where}: spec {spec} has entry {entry!r}; entries must be None, a mesh axis name, a "
-                            "tuple of names, or sx.ALL / -1")
-        for name in names:
-            if name not in axes:
-                raise ValueError(f"{where}: spec {spec} names mesh axis {name!r}, but the mesh has axes {axes}")
-            if name in used:
-                raise ValueError(f"{where}: spec {spec} uses mesh axis {name!r} for two dimensions; each mesh axis "
-                                 "may split at most one dimension")
-            used.add(name)
-        entries.append(entry)
-    return PartitionSpec(*entries)
-
-
-def _spec_axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
+from ._guarded import Guarded, leaf_signature
+from ._specs import (
+    argument_specs,
+    expand_leading,
+    is_pspec,
+    is_spec,
+    resolve_or_replicated,
+    resolved_tree,
+    squeeze_leading,
+)
 
 
 def _context_mesh() -> Mesh | None:
@@ -114,61 +57,6 @@ def default_mesh(mesh: Mesh | None) -> Mesh:
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
     return mesh
-
-
-def _positional(f: Callable, signature: inspect.Signature) -> Callable:
-    """``f`` taking its keyword-only parameters positionally, after the others, in signature order."""
-    params = list(signature.parameters.values())
-    n_pos = sum(p.kind is not p.KEYWORD_ONLY for p in params)
-    kw_names = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
-
-    @functools.wraps(f)
-    def call(*args: Any) -> Any:
-        return f(*args[:n_pos], **dict(zip(kw_names, args[n_pos:], strict=False)))  # absent: defaults
-
-    return call
-
-
-def _broadcast_specs(specs: Any, tree: Any, where: str) -> Any:
-    """Specs as a full tree matching ``tree`` (``specs`` is a prefix of it)."""
-    try:
-        return jax.tree.map(lambda s, sub: jax.tree.map(lambda _: PartitionSpec() if s is None else s, sub),
-                            specs, tree, is_leaf=_is_spec)
-    except ValueError as err:
-        raise ValueError(f"{where} does not match the structure of the value: {err}") from None
-
-
-def _check_leaf(x: Any, spec: PartitionSpec, mesh: Mesh, where: str, expand: bool) -> None:
-    shape = np.shape(x)
-    if len(spec) > len(shape):
-        raise ValueError(f"{where} has shape {shape} (rank {len(shape)}) but its spec {spec} has {len(spec)} "
-                         "entries; a spec may not be longer than the array's rank")
-    for dim, entry in enumerate(spec):
-        axes = _spec_axes(entry)
-        if not axes:
-            continue
-        parts = int(np.prod([mesh.shape[a] for a in axes]))
-        if expand and dim == 0:
-            if shape[0] != parts:
-                raise ValueError(
-                    f"{where} has shape {shape}; with expand=True its leading axis must be the number of shards "
-                    f"along {axes} ({parts}), one row per device. Pass expand=False for plain shard_map tiling, "
-                    "or reshape it to (ndev, n, ...).")
-        elif shape[dim] % parts:
-            raise ValueError(f"{where} maps array axis {dim} (of size {shape[dim]}) to mesh axes {axes} (of size "
-                             f"{parts}), but {parts} does not evenly divide {shape[dim]}")
-
-
-def _squeeze_leading(spec: PartitionSpec) -> Callable[[jax.Array], jax.Array]:
-    if spec and spec[0] is not None:
-        return lambda a: a.reshape(a.shape[1:])
-    return lambda a: a
-
-
-def _expand_leading(spec: PartitionSpec) -> Callable[[jax.Array], jax.Array]:
-    if spec and spec[0] is not None:
-        return lambda a: jax.numpy.reshape(a, (1, *jax.numpy.shape(a)))
-    return lambda a: a
 
 
 def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = None, expand: bool = True,
@@ -216,6 +104,38 @@ def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = N
         >>> pos.shape == (sx.world().device_count, 100, 3) and loc.shape == (sx.world().device_count,)
         True
     """
+    donate = _check_options(f, expand=expand, jit=jit, donate_argnums=donate_argnums, name=name)
+    local = _Local(f)
+    guard = Guarded(f, name, local.params, local.arg_name)
+    layouts: dict[int, _Layout] = {}
+    cache: dict[Hashable, _Program] = {}
+
+    @functools.wraps(f)
+    def global_fn(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            args = local.bind(args, kwargs)
+        the_mesh = default_mesh(mesh)
+        layout = layouts.get(len(args)) or layouts.setdefault(len(args), _layout(in_specs, len(args), local.name))
+        key = _cache_key(the_mesh, args, layout.static, local.arg_name)
+        dyn_args = tuple(args[i] for i in layout.dynamic)
+        leaves = jax.tree.leaves(dyn_args)
+        shapes = tuple(map(leaf_signature, leaves))
+        program = cache.get(key)
+        if program is None:
+            program = cache[key] = _build(local, the_mesh, args, layout, out_specs=out_specs, expand=expand, jit=jit,
+                                          donate=donate, donate_text=f"donate_argnums={donate_argnums!r}")
+        elif shapes not in program.checked:
+            _dynamic_specs(local, the_mesh, args, layout, expand=expand)  # raises on a shape the specs cannot split
+        program.checked.add(shapes)
+        traced = any(isinstance(leaf, Tracer) for leaf in leaves)
+        guard.check(key, args, layout.static, shapes, the_mesh, traced=traced)
+        return _run(program.fn, dyn_args, traced=traced)
+
+    return global_fn
+
+
+def _check_options(f: Any, *, expand: Any, jit: Any, donate_argnums: Any, name: Any) -> tuple[int, ...]:
+    """Reject bad ``smap`` options with the argument named; ``donate_argnums`` as a tuple."""
     if not callable(f):
         raise TypeError(f"smap needs a callable, got {type(f).__name__}")
     if not isinstance(expand, bool) or not isinstance(jit, bool):
@@ -228,66 +148,68 @@ def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = N
         raise ValueError("donate_argnums needs jit=True (only a jitted call can reuse the donated buffers)")
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a str or None, got {type(name).__name__}")
-    try:
-        signature: inspect.Signature | None = inspect.signature(f)
-    except (TypeError, ValueError):
-        signature = None
-    params = list(signature.parameters) if signature is not None else []
-    fname = getattr(f, "__name__", repr(f))
+    return donate
 
-    def arg_name(i: int) -> str:
-        return f"argument {params[i]!r} of {fname}" if i < len(params) else f"argument {i} of {fname}"
 
-    guard = Guarded(f, name, params, arg_name)
-    if signature is not None and any(p.kind is p.KEYWORD_ONLY for p in signature.parameters.values()):
-        f = _positional(f, signature)
-    cache: dict[Hashable, Callable] = {}
+class _Local:
+    """The local-view function as ``smap`` calls it: every argument positional, parameter names for messages."""
 
-    def bind(args: tuple, kwargs: dict) -> tuple:
-        if not kwargs:
-            return args
-        if signature is None:
-            raise TypeError(f"{fname}: keyword arguments need a function with an inspectable signature")
-        bound = signature.bind(*args, **kwargs)
+    def __init__(self, f: Callable) -> None:
+        try:
+            signature: inspect.Signature | None = inspect.signature(f)
+        except (TypeError, ValueError):
+            signature = None
+        self.signature = signature
+        self.params = list(signature.parameters) if signature is not None else []
+        self.name: str = getattr(f, "__name__", repr(f))
+        keyword_only = signature is not None and any(p.kind is p.KEYWORD_ONLY for p in signature.parameters.values())
+        self.fn = _positional(f, signature) if signature is not None and keyword_only else f
+
+    def arg_name(self, i: int) -> str:
+        """``"argument 'pos' of f"`` for positional argument ``i``."""
+        return f"argument {self.params[i]!r} of {self.name}" if i < len(self.params) else \
+            f"argument {i} of {self.name}"
+
+    def bind(self, args: tuple, kwargs: dict) -> tuple:
+        """All arguments of a call with keywords as one positional tuple, defaults filled in."""
+        if self.signature is None:
+            raise TypeError(f"{self.name}: keyword arguments need a function with an inspectable signature")
+        bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
         return tuple(bound.arguments.values())
 
+
+def _positional(f: Callable, signature: inspect.Signature) -> Callable:
+    """``f`` taking its keyword-only parameters positionally, after the others, in signature order."""
+    params = list(signature.parameters.values())
+    n_pos = sum(p.kind is not p.KEYWORD_ONLY for p in params)
+    kw_names = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+
     @functools.wraps(f)
-    def global_fn(*args: Any, **kwargs: Any) -> Any:
-        args = bind(args, kwargs)
-        the_mesh = default_mesh(mesh)
-        specs = _per_argument(in_specs, len(args), fname)
-        static = tuple(i for i, s in enumerate(specs) if s is None)
-        key = _cache_key(the_mesh, args, static, arg_name)
-        dyn_idx = tuple(i for i in range(len(args)) if i not in static)
-        dyn_specs = tuple(_full_specs(args[i], specs[i], the_mesh, expand, arg_name(i)) for i in dyn_idx)
-        fn = cache.get(key)
-        if fn is None:
-            fn = _build(f, the_mesh, args, static, dyn_specs, out_specs, expand, fname)
-            if jit:
-                fn = _jit(fn, donate, dyn_idx, the_mesh, f"donate_argnums={donate_argnums!r}", fname)
-            cache[key] = fn
-        dyn_args = tuple(args[i] for i in dyn_idx)
-        leaves = jax.tree.leaves(dyn_args)
-        traced = any(isinstance(leaf, Tracer) for leaf in leaves)
-        guard.check(key, args, static, leaves, the_mesh, traced=traced)
-        if traced:
-            return fn(*dyn_args)  # inside an outer jit (checked as it is traced): the outer call is what runs
-        out = fn(*dyn_args)
-        number, description = last_call()
-        watch(number, description, out)
-        return out
+    def call(*args: Any) -> Any:
+        return f(*args[:n_pos], **dict(zip(kw_names, args[n_pos:], strict=False)))  # absent: defaults
 
-    return global_fn
+    return call
 
 
-def _per_argument(in_specs: Any, n_args: int, fname: str) -> tuple:
-    """One spec (or ``None``: static) per positional argument."""
+class _Layout(NamedTuple):
+    """Where a call's arguments go: one spec (or ``None``: static) per positional argument, split by kind."""
+
+    specs: tuple
+    static: tuple[int, ...]
+    dynamic: tuple[int, ...]
+
+
+def _layout(in_specs: Any, n_args: int, fname: str) -> _Layout:
+    """The :class:`_Layout` of a call with ``n_args`` positional arguments."""
     if isinstance(in_specs, tuple | list) and not isinstance(in_specs, PartitionSpec):
         if len(in_specs) != n_args:
             raise ValueError(f"{fname} got {n_args} argument(s) but in_specs has {len(in_specs)} entries")
-        return tuple(in_specs)
-    return (in_specs,) * n_args
+        specs = tuple(in_specs)
+    else:
+        specs = (in_specs,) * n_args
+    static = tuple(i for i, s in enumerate(specs) if s is None)
+    return _Layout(specs, static, tuple(i for i in range(n_args) if i not in static))
 
 
 def _cache_key(mesh: Mesh, args: tuple, static: tuple[int, ...], arg_name: Callable[[int], str]) -> Hashable:
@@ -305,58 +227,57 @@ def _cache_key(mesh: Mesh, args: tuple, static: tuple[int, ...], arg_name: Calla
     return key
 
 
-def _full_specs(arg: Any, spec: Any, mesh: Mesh, expand: bool, where: str) -> Any:
-    """``spec`` broadcast over ``arg``'s pytree and resolved on ``mesh``, each leaf checked against its spec."""
-    full = _broadcast_specs(spec, arg, f"in_specs for {where}")
-    full = jax.tree.map(lambda s: _resolve_or_replicated(s, mesh, f"in_specs for {where}"), full,
-                        is_leaf=_is_spec_value)
-    leaves = jax.tree.leaves(arg)
-    spec_leaves = jax.tree.leaves(full, is_leaf=lambda s: isinstance(s, PartitionSpec))
-    for j, (leaf, sp) in enumerate(zip(leaves, spec_leaves, strict=True)):
-        _check_leaf(leaf, sp, mesh, where if len(leaves) == 1 else f"leaf {j} of {where}", expand)
-    return full
+class _Program(NamedTuple):
+    """The global function of one cache key, and the argument shapes already checked against its specs."""
+
+    fn: Callable
+    checked: set
 
 
-def _jit(fn: Callable, donate: tuple[int, ...], dyn_idx: tuple[int, ...], mesh: Mesh, donate_text: str,
-         fname: str) -> Callable:
-    for i in donate:
-        if i not in dyn_idx:
-            raise ValueError(f"{donate_text}: {i} is not a positional array argument of {fname} (static ones "
-                             "cannot be donated)")
-    jitted = jax.jit(fn, donate_argnums=tuple(dyn_idx.index(i) for i in donate))
-    # Several CPU devices of this process: compiled with operations kept whole (see runtime._compile).
-    return compile_ahead(jitted, mesh.devices.flat)
+def _build(local: _Local, mesh: Mesh, args: tuple, layout: _Layout, *, out_specs: Any, expand: bool, jit: bool,
+           donate: tuple[int, ...], donate_text: str) -> _Program:
+    """The :class:`_Program` of a new cache key: arguments checked against their specs, shard-mapped, jitted."""
+    dyn_specs = _dynamic_specs(local, mesh, args, layout, expand=expand)
+    fn = _shard_mapped(local, mesh, static_values={i: args[i] for i in layout.static}, n_args=len(args),
+                       in_specs=dyn_specs, out_specs=out_specs, expand=expand)
+    if jit:
+        fn = _jit(fn, mesh, donate=donate, dynamic=layout.dynamic, donate_text=donate_text, fname=local.name)
+    return _Program(fn, set())
 
 
-def _build(f: Callable, mesh: Mesh, args: tuple, static: tuple[int, ...], dyn_specs: tuple, out_specs: Any,
-           expand: bool, name: str) -> Callable:
-    static_vals = {i: args[i] for i in static}
-    n_args = len(args)
-    is_pspec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+def _dynamic_specs(local: _Local, mesh: Mesh, args: tuple, layout: _Layout, *, expand: bool) -> tuple:
+    """The array arguments' specs, broadcast over each pytree and resolved on ``mesh``, each leaf checked."""
+    return tuple(argument_specs(args[i], layout.specs[i], mesh, expand, local.arg_name(i)) for i in layout.dynamic)
+
+
+def _shard_mapped(local: _Local, mesh: Mesh, *, static_values: dict[int, Any], n_args: int, in_specs: tuple,
+                  out_specs: Any, expand: bool) -> Callable:
+    """``jax.shard_map`` of the local function over the array arguments, the static values put back in place."""
+    name = local.name
+    where = f"out_specs of {name}"
 
     def body(*dyn: Any) -> Any:
         if expand:
-            dyn = tuple(jax.tree.map(lambda sp, a: _squeeze_leading(sp)(a), s, d, is_leaf=is_pspec)
-                        for s, d in zip(dyn_specs, dyn, strict=True))
+            dyn = tuple(jax.tree.map(squeeze_leading, s, d, is_leaf=is_pspec) for s, d in zip(in_specs, dyn, strict=True))
         it = iter(dyn)
-        out = f(*[static_vals[i] if i in static_vals else next(it) for i in range(n_args)])
+        out = local.fn(*[static_values[i] if i in static_values else next(it) for i in range(n_args)])
         if expand:
-            specs = _broadcast_specs(out_specs, out, f"out_specs of {name}")
-            specs = jax.tree.map(lambda s: _resolve_or_replicated(s, mesh, f"out_specs of {name}"), specs,
-                                 is_leaf=_is_spec_value)
-            out = jax.tree.map(lambda sp, a: _expand_leading(sp)(a), specs, out, is_leaf=is_pspec)
+            out = jax.tree.map(expand_leading, resolved_tree(out_specs, out, mesh, where), out, is_leaf=is_pspec)
         return out
 
-    resolved_out = jax.tree.map(lambda s: _resolve_or_replicated(s, mesh, f"out_specs of {name}"), out_specs,
-                                is_leaf=_is_spec)
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=dyn_specs, out_specs=resolved_out)
+    resolved_out = jax.tree.map(lambda s: resolve_or_replicated(s, mesh, where), out_specs, is_leaf=is_spec)
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=resolved_out)
     mapped.__name__ = f"smap({name})"  # type: ignore[attr-defined]
-    if AxisType.Explicit not in mesh.axis_types:
-        return mapped
-    # On a mesh with explicit axes (``jax.make_mesh``'s default) shard_map does not reshard its inputs: an array
-    # replicated or laid out otherwise would fail deep in JAX. Move each to its in_spec first, as jit does for
-    # automatic axes.
-    shardings = tuple(jax.tree.map(lambda sp: NamedSharding(mesh, sp), spec, is_leaf=is_pspec) for spec in dyn_specs)
+    if AxisType.Explicit in mesh.axis_types:
+        return _resharding(mapped, mesh, in_specs)
+    return mapped
+
+
+def _resharding(mapped: Callable, mesh: Mesh, in_specs: tuple) -> Callable:
+    """``mapped`` moving each input to its in_spec first, on a mesh with explicit axes (``jax.make_mesh``'s default):
+    there shard_map does not reshard its inputs, and an array replicated or laid out otherwise would fail deep in JAX
+    (jit does it for automatic axes)."""
+    shardings = tuple(jax.tree.map(lambda sp: NamedSharding(mesh, sp), spec, is_leaf=is_pspec) for spec in in_specs)
 
     def to_spec(sharding: NamedSharding, a: Any) -> Any:
         if isinstance(a, Tracer):
@@ -372,86 +293,23 @@ def _build(f: Callable, mesh: Mesh, args: tuple, static: tuple[int, ...], dyn_sp
     return resharded
 
 
-def _resolve_or_replicated(spec: Any, mesh: Mesh, where: str) -> PartitionSpec:
-    return resolve_spec(PartitionSpec() if spec is None else spec, mesh, where)
+def _jit(fn: Callable, mesh: Mesh, *, donate: tuple[int, ...], dynamic: tuple[int, ...], donate_text: str,
+         fname: str) -> Callable:
+    """``jax.jit`` of ``fn`` with the donated arguments numbered among the array ones, compiled for ``mesh``."""
+    for i in donate:
+        if i not in dynamic:
+            raise ValueError(f"{donate_text}: {i} is not a positional array argument of {fname} (static ones "
+                             "cannot be donated)")
+    jitted = jax.jit(fn, donate_argnums=tuple(dynamic.index(i) for i in donate))
+    # Several CPU devices of this process: compiled with operations kept whole (see shardax._compile).
+    return compile_ahead(jitted, mesh.devices.flat)
 
 
-def distributed(f: Callable | None = None, /, *, in_specs: Mapping[str, Any] | None = None, out_specs: Any = ALL,
-                static_argnames: Sequence[str] = (), expand: bool = True) -> Any:
-    """Attach ``f.smap(mesh=None, jit=True)``, which returns the global (shard-mapped) version of ``f``.
-
-    ``f`` itself is left untouched: it stays the local-view function, callable on one device without a mesh or
-    inside another ``smap``.
-
-    Args:
-        f: the local-view function (or use ``@distributed(...)`` as a decorator factory).
-        in_specs: specs by parameter name. Parameters not named are static Python values if listed in
-            ``static_argnames`` or not array-like, else replicated arrays (``P()``).
-        out_specs: a pytree prefix of ``f``'s output (default: every output sharded over all axes).
-        static_argnames: parameters that are always static (must be hashable; a new value recompiles).
-        expand: the expanding convention of :func:`smap`.
-
-    Example:
-        >>> import jax, jax.numpy as jnp, shardax as sx
-        >>> from jax.sharding import PartitionSpec as P
-        >>> @sx.distributed(out_specs=(P(sx.ALL), P()), static_argnames=("n",))
-        ... def draw(n, seed):
-        ...     x = jax.random.normal(jax.random.key(seed + sx.rank_info().rank), (n,))
-        ...     return x, sx.comm.allreduce(jnp.sum(x))
-        >>> x, total = draw.smap()(n=16, seed=0)
-        >>> x.shape == (sx.world().device_count, 16)
-        True
-    """
-    if f is None:
-        return functools.partial(distributed, in_specs=in_specs, out_specs=out_specs,
-                                 static_argnames=static_argnames, expand=expand)
-    if not callable(f):
-        raise TypeError(f"distributed needs a callable, got {type(f).__name__}")
-    named = dict(in_specs or {})
-    static_names = tuple(static_argnames)
-    signature = inspect.signature(f)
-    params = list(signature.parameters)
-    for key in (*named, *static_names):
-        if key not in params:
-            raise ValueError(f"{f.__name__} has no parameter {key!r} (parameters: {params})")
-    overlap = set(named) & set(static_names)
-    if overlap:
-        raise ValueError(f"parameters {sorted(overlap)} are both in in_specs and static_argnames")
-
-    constructed: dict[Hashable, Callable] = {}
-
-    def constructor(mesh: Mesh | None = None, *, jit: bool = True) -> Callable:
-        if (mesh, jit) in constructed:  # one global function (and its compilations) per mesh
-            return constructed[(mesh, jit)]
-        cache: dict[Hashable, Callable] = {}
-
-        @functools.wraps(f)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            values = dict(bound.arguments)
-            specs = []
-            for p in params:
-                if p in named:
-                    specs.append(named[p])
-                elif p in static_names or not _is_array_like(values[p]):
-                    specs.append(None)
-                else:
-                    specs.append(PartitionSpec())
-            key = tuple(s is None for s in specs)
-            fn = cache.get(key)
-            if fn is None:
-                fn = smap(f, in_specs=tuple(specs), out_specs=out_specs, mesh=mesh, expand=expand, jit=jit)
-                cache[key] = fn
-            return fn(*(values[p] for p in params))
-
-        constructed[(mesh, jit)] = call
-        return call
-
-    f.smap = constructor  # type: ignore[attr-defined]
-    return f
-
-
-def _is_array_like(value: Any) -> bool:
-    leaves = jax.tree.leaves(value)
-    return bool(leaves) and all(isinstance(x, jax.Array | np.ndarray | np.generic) for x in leaves)
+def _run(fn: Callable, dyn_args: tuple, *, traced: bool) -> Any:
+    """Call the global function; outside an outer jit, hand the call's result to the watchdog."""
+    out = fn(*dyn_args)
+    if traced:  # inside an outer jit (guarded as it is traced): the outer call is what runs
+        return out
+    number, description = last_call()
+    watch(number, description, out)
+    return out

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._pytree import row_count
 from ..comm import allreduce
-from ._global import attach_smap
+from ..core import distributed
 
 
 class Conservation(NamedTuple):
@@ -73,4 +73,4 @@ def conservation(part: Any) -> Conservation:
     return Conservation(count, checksum)
 
 
-attach_smap(conservation, arrays={"part": P(-1)}, out_specs=P())
+distributed(conservation, in_specs={"part": P(-1)}, out_specs=P(), name="conservation.smap")

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from .._morton import INVALID_KEY, KEY_BITS_PER_DIM, Box, KeyBox, key_box, morton_key
 from .._pytree import check_positions
 from ..comm import allgather
-from ._global import attach_smap
+from ..core import distributed
 
 
 @jax.tree_util.register_dataclass
@@ -155,4 +155,4 @@ def domain(part: Any, *, box: Box | None = None, num_cells: int = 64) -> Domain:
     return domain_of(part, key_box(jnp.asarray(part.pos), valid, box), num_cells)
 
 
-attach_smap(domain, arrays={"part": P(-1)}, out_specs=P())  # box and num_cells static, as in zsort.smap
+distributed(domain, in_specs={"part": P(-1)}, out_specs=P(), name="domain.smap")  # box, num_cells: static

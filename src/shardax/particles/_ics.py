@@ -12,8 +12,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from .._morton import Box, periodic_box, wrap
-from ..core import ALL, rank_info
-from ._global import attach_smap
+from ..core import ALL, distributed, rank_info
 from ._particles import Particles
 
 
@@ -140,5 +139,5 @@ def gaussian_blobs(n: int, *, centers: jax.Array, sigma: jax.Array | float, box:
     return _finish(pos, n, cap, total_mass), clump
 
 
-attach_smap(uniform, arrays={}, out_specs=ALL)
-attach_smap(gaussian_blobs, arrays={"centers": P(), "sigma": P()}, out_specs=ALL)
+distributed(uniform, out_specs=ALL, name="uniform.smap")
+distributed(gaussian_blobs, in_specs={"centers": P(), "sigma": P()}, out_specs=ALL, name="gaussian_blobs.smap")
