@@ -247,6 +247,42 @@ def test_all_duplicates() -> None:
     np.testing.assert_allclose(got["com"][0], 0.25)
 
 
+def test_plain_array_is_particles_without_fields() -> None:
+    """A plain position array works wherever particles without fields do: every row is a particle, labels number
+    the rows (in global (device, row) order on several devices). Local view on one device, and on 8 devices through
+    ``fof.smap`` (whose mapped function calls the local view on each device's ``(n, d)`` block)."""
+    data = mixed_periodic()
+    pos = data["pos"][:1600]
+    want = reference_labels(pos, data["linking_length"], data["box"], MIN_MEMBERS)
+    assert len(np.unique(want[want >= 0])) > 3
+    res = fof(jnp.asarray(pos), data["linking_length"], box=data["box"], min_members=MIN_MEMBERS)
+    np.testing.assert_array_equal(np.asarray(res.labels), want)
+    as_particles = fof(Particles(pos=jnp.asarray(pos), num=jnp.int32(len(pos))), data["linking_length"],
+                       box=data["box"], min_members=MIN_MEMBERS)
+    np.testing.assert_array_equal(np.asarray(res.labels), np.asarray(as_particles.labels))
+    np.testing.assert_array_equal(np.asarray(fof(pos, data["linking_length"], box=data["box"],
+                                                 min_members=MIN_MEMBERS).labels), want)  # a NumPy array too
+    mesh = make_mesh((8,))
+    res = fof.smap(mesh)(jnp.asarray(pos.reshape(8, 200, 3)), data["linking_length"], box=data["box"],
+                         min_members=MIN_MEMBERS)
+    np.testing.assert_array_equal(np.asarray(res.labels).reshape(-1), want)
+    compare_catalogues(res.catalogue.to_numpy(), reference_catalogue(pos, want, None, None, data["box"]))
+
+
+def test_bad_plain_array() -> None:
+    """Errors for a plain array name ``part`` and say what to pass."""
+    with pytest.raises(ValueError, match=r"part as a plain array must have shape \(n, 2\) or \(n, 3\)"):
+        fof(jnp.zeros((8, 4)), 0.1)
+    with pytest.raises(ValueError, match="part as a plain array .* fof.smap"):
+        fof(jnp.zeros((2, 8, 3)), 0.1)
+    with pytest.raises(TypeError, match="part must hold float32 or float64 positions"):
+        fof(jnp.zeros((8, 3), jnp.int32), 0.1)
+    with pytest.raises(TypeError, match="part must be a particle pytree .* or an \\(n, d\\) array"):
+        fof([[0.0, 0.0, 0.0]] * 8, 0.1)
+    with pytest.raises(ValueError, match="fof.smap: part must be a global particle pytree .* or an \\(ndev, n, d\\)"):
+        fof.smap(make_mesh((2,)))(jnp.zeros((8, 3)), 0.1)
+
+
 def test_bad_input() -> None:
     part = Particles(pos=jnp.zeros((8, 3)), num=jnp.int32(8))
     with pytest.raises(ValueError, match="linking_length must be positive"):

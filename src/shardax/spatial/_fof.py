@@ -1,11 +1,18 @@
 """Friends-of-friends groups: ``fof`` in the local view and its global version ``fof.smap``.
 
-One code path at every scale. On one device the particles are linked directly (``_fof_local``). On several, they are
-first sorted into global z-order (compact pieces of space per device), boundary particles are exchanged as ghosts and
-labels merged across devices (``_fof_ghosts``), and the labels travel back to the rows they came from. Groups are
-summarised into a :class:`Catalogue` by exact, order-independent sums (``_catalogue``). ``fof`` checks its input and
-takes the one-device path (:func:`_one_device`) or the distributed one (:func:`_several_devices`); both link their
-rows by :func:`_link`. Sizes and algorithm choices of the kernels come from a per-backend ``FofTuning``.
+``fof`` checks its input (:func:`_checked_problem`) and takes one of two paths, which share their named steps:
+
+- one device (:func:`_one_device`): wrap the rows into the box, link them (:func:`_link`), sum the groups into a
+  catalogue and label the members (:func:`_members`);
+- several devices (:func:`_several_devices`): sort the rows into global z-order, a compact piece of space per
+  device (:func:`_sort_into_pieces`); receive the boundary particles of the other pieces as ghosts
+  (:func:`_add_ghosts`, ``_fof_ghosts``); link own rows and ghosts on a grid over the piece (:func:`_piece_space`,
+  :func:`_link`); settle labels across devices (``merge_labels``); sum the groups, those that cross devices on a
+  home device (:func:`_catalogue_across`); send the labels back to the rows they came from (:func:`_labels_home`).
+
+Both end in :func:`_result`, which sets ``needed`` and ``overflow`` against the buffers of :func:`_device_buffers`.
+Groups are summarised into a :class:`Catalogue` by exact, order-independent sums (``_catalogue``). Sizes and algorithm
+choices of the kernels come from a per-backend ``FofTuning``, passed as data.
 """
 
 from __future__ import annotations
@@ -28,10 +35,13 @@ from .._pytree import check_count, check_positions, pad_global
 from ..comm import allgather
 from ..comm._alltoallv import share_chunk
 from ..core import ALL, rank_info, smap
+from ..particles import Particles
 from ..particles._zsort import bucket_sort
 from ._catalogue import Catalogue, Partial, finish, partial_sums
 from ._fof_ghosts import (
     INT_MAX,
+    Ghosts,
+    Pieces,
     boundary_totals,
     exchange_ghosts,
     merge_labels,
@@ -42,7 +52,6 @@ from ._fof_ghosts import (
 from ._fof_local import LinkSpace, components, find_links, link_grid, piece_space, sort_points, whole_space
 from ._fof_tuning import Steps, Tuning, resolve, step_sizes
 
-_CAPACITIES = ("edge_capacity", "halo_capacity", "max_groups", "sort_capacity")
 TuningName = Literal["cpu", "gpu"]
 
 
@@ -65,6 +74,16 @@ class FofResult(NamedTuple):
     needed: jax.Array
 
 
+class Buffers(NamedTuple):
+    """The four buffers of a call, in the order of :attr:`FofResult.needed`: sizes (ints) or rows needed (arrays),
+    or as requested by the caller (None: the default)."""
+
+    edge_capacity: Any
+    halo_capacity: Any
+    max_groups: Any
+    sort_capacity: Any
+
+
 class _Rows(NamedTuple):
     """What travels with each particle through the z-order sort: only the fields the particles have."""
 
@@ -75,12 +94,49 @@ class _Rows(NamedTuple):
     vel: jax.Array | None
 
 
+class _Problem(NamedTuple):
+    """A checked call of :func:`fof`: the rows, the linking length and box in the positions' dtype, the options."""
+
+    rows: _Rows
+    linking_length: jax.Array
+    box: jax.Array | None  # (d,) periodic box, or None for open boundaries
+    box_arg: Any  # the box as the caller gave it (the z-order sort keys by it)
+    min_members: int
+    requested: Buffers  # buffer sizes as passed (None: the default)
+    tuning: Tuning
+
+
+# ---- input ---------------------------------------------------------------------------------------------------------
+
+
+def _particle_set(part: Any, where: str) -> Any:
+    """``part`` when it is a particle pytree (``.pos``, ``.num``); a plain `(n, d)` position array as particles
+    without fields, every row valid."""
+    if hasattr(part, "pos") and hasattr(part, "num"):
+        return part
+    if not isinstance(part, jax.Array | np.ndarray):
+        raise TypeError(f"{where}: part must be a particle pytree with .pos and .num (e.g. shardax.particles."
+                        f"Particles) or an (n, d) array of positions, got {type(part).__name__}")
+    if part.ndim != 2 or part.shape[1] not in (2, 3):
+        raise ValueError(f"{where}: part as a plain array must have shape (n, 2) or (n, 3) (local view; one row per "
+                         f"particle), got {part.shape}. Global (ndev, n, d) arrays go through fof.smap.")
+    if part.dtype not in (np.float32, np.float64):
+        raise TypeError(f"{where}: part must hold float32 or float64 positions, got dtype {part.dtype}; cast it with "
+                        "part.astype(jnp.float32)")
+    return Particles(pos=jnp.asarray(part), num=jnp.int32(part.shape[0]))
+
+
 def _positive_int(value: Any, name: str, *, allow_none: bool = False) -> int | None:
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive Python int, got {value!r}")
     return value
+
+
+def _requested(**sizes: int | None) -> Buffers:
+    """The buffer sizes a caller passed, each None or a positive int."""
+    return Buffers(**{name: _positive_int(value, name, allow_none=True) for name, value in sizes.items()})
 
 
 def _box_vector(box: Any, dim: int, dtype: Any) -> jax.Array | None:
@@ -122,6 +178,37 @@ def _check_linking_length(linking_length: Any, box: Any, dtype: Any) -> jax.Arra
                              f"{np.asarray(box).tolist()}, half of it {0.5 * float(np.min(box)):g}); use a smaller "
                              "linking length or a larger box")
     return jnp.asarray(linking_length, dtype)
+
+
+def _checked_problem(part: Any, linking_length: Any, *, box: Any, min_members: int, requested: Buffers,
+                     tuning: Tuning | TuningName | None) -> _Problem:
+    """The arguments of :func:`fof` checked (clear errors naming the argument) and gathered into a :class:`_Problem`."""
+    part = _particle_set(part, "fof")
+    n, dim = check_positions(part, "fof")
+    if n == 0:
+        raise ValueError("fof: part has no rows (part.pos has shape (0, d)); give it at least one padding row: the "
+                         "empty set is one row with num=0")
+    _positive_int(min_members, "min_members")
+    pos = jnp.asarray(part.pos)
+    dtype = pos.dtype
+    boxv = _box_vector(box, dim, dtype)
+    ll = _check_linking_length(linking_length, box, dtype)
+    resolved = resolve(tuning, "fof")
+    num = jnp.clip(jnp.asarray(part.num, jnp.int32), 0, n)
+    valid = jnp.arange(n, dtype=jnp.int32) < num
+    if not isinstance(pos, Tracer) and not bool(jnp.all(jnp.isfinite(jnp.where(valid[:, None], pos, 0)))):
+        raise ValueError("fof: part.pos has NaN or infinite coordinates; remove or fix those particles")
+    check_local(pos, valid, box, "fof")
+    mass = getattr(part, "mass", None)
+    mass = None if mass is None else jnp.broadcast_to(jnp.asarray(mass, dtype), (n,))
+    vel = getattr(part, "vel", None)
+    vel = None if vel is None else jnp.asarray(vel, dtype)
+    ids = getattr(part, "ids", None)
+    rows = _Rows(pos, num, None if ids is None else jnp.asarray(ids, jnp.int32), mass, vel)
+    return _Problem(rows, ll, boxv, box, min_members, requested, resolved)
+
+
+# ---- the local view ------------------------------------------------------------------------------------------------
 
 
 def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_members: int = 20,
@@ -178,38 +265,29 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
 def _fof(part: Any, linking_length: float | jax.Array, *, box: Any, min_members: int, max_groups: int | None,
          edge_capacity: int | None, halo_capacity: int | None, sort_capacity: int | None,
          tuning: Tuning | TuningName | None) -> tuple[FofResult, Steps]:
-    """:func:`fof`, and the sequential loop steps it took (:func:`fof_steps`): checks, then the one-device or the
-    distributed path."""
-    n, dim = check_positions(part, "fof")
-    if n == 0:
-        raise ValueError("fof: part has no rows (part.pos has shape (0, d)); give it at least one padding row: the "
-                         "empty set is one row with num=0")
-    _positive_int(min_members, "min_members")
-    pos = jnp.asarray(part.pos)
-    dtype = pos.dtype
-    boxv = _box_vector(box, dim, dtype)
-    ll = _check_linking_length(linking_length, box, dtype)
-    tuning = resolve(tuning, "fof")
-    groups = _positive_int(max_groups, "max_groups", allow_none=True)
-    edges = _positive_int(edge_capacity, "edge_capacity", allow_none=True)
-
-    num = jnp.clip(jnp.asarray(part.num, jnp.int32), 0, n)
-    valid = jnp.arange(n, dtype=jnp.int32) < num
-    if not isinstance(pos, Tracer) and not bool(jnp.all(jnp.isfinite(jnp.where(valid[:, None], pos, 0)))):
-        raise ValueError("fof: part.pos has NaN or infinite coordinates; remove or fix those particles")
-    check_local(pos, valid, box, "fof")
-    mass = getattr(part, "mass", None)
-    mass = None if mass is None else jnp.broadcast_to(jnp.asarray(mass, dtype), (n,))
-    vel = getattr(part, "vel", None)
-    vel = None if vel is None else jnp.asarray(vel, dtype)
-    ids = getattr(part, "ids", None)
-    rows = _Rows(pos, num, None if ids is None else jnp.asarray(ids, jnp.int32), mass, vel)
+    """:func:`fof`, and the sequential loop steps it took (:func:`fof_steps`): checks, then one of the two paths."""
+    requested = _requested(edge_capacity=edge_capacity, halo_capacity=halo_capacity, max_groups=max_groups,
+                           sort_capacity=sort_capacity)
+    problem = _checked_problem(part, linking_length, box=box, min_members=min_members, requested=requested,
+                               tuning=tuning)
     rank, size, _ = rank_info()
     if size == 1:
-        return _one_device(rows, ll, boxv, min_members, groups, edges, tuning)
-    hc = _positive_int(halo_capacity, "halo_capacity", allow_none=True) or max(n // 4, 1024)
-    m = _positive_int(sort_capacity, "sort_capacity", allow_none=True) or n
-    return _several_devices(rows, ll, box, boxv, min_members, groups, edges, hc, m, rank, size, tuning)
+        return _one_device(problem)
+    return _several_devices(problem, rank=rank, size=size)
+
+
+# ---- steps both paths share ----------------------------------------------------------------------------------------
+
+
+def _device_buffers(requested: Buffers, *, n: int, devices: int, min_members: int) -> Buffers:
+    """The buffer sizes of a device of ``n`` rows among ``devices``, the defaults of those ``requested`` as None
+    resolved (on one device no rows travel: the rows are the particles' and there are no ghosts)."""
+    if devices == 1:
+        rows, ghosts = n, 0
+    else:
+        rows, ghosts = requested.sort_capacity or n, requested.halo_capacity or max(n // 4, 1024)
+    return Buffers(edge_capacity=requested.edge_capacity or 8 * (rows + ghosts) + 4096, halo_capacity=ghosts,
+                   max_groups=requested.max_groups or (rows + ghosts) // min_members + 16, sort_capacity=rows)
 
 
 class _Linked(NamedTuple):
@@ -221,10 +299,11 @@ class _Linked(NamedTuple):
     steps: Steps
 
 
-def _link(pos: jax.Array, valid: jax.Array, ids: jax.Array, space: LinkSpace, grid_pos: jax.Array,
-          ll: jax.Array, volume: jax.Array | None, edge_capacity: int, tuning: Tuning) -> _Linked:
+def _link(pos: jax.Array, valid: jax.Array, ids: jax.Array, *, space: LinkSpace, grid_pos: jax.Array,
+          problem: _Problem, volume: jax.Array | None, edge_capacity: int) -> _Linked:
     """Link the valid rows of ``pos`` (`(r, d)`): a cell grid, the sort into it, the pairs, their components."""
     rows = pos.shape[0]
+    ll, tuning = problem.linking_length, problem.tuning
     count = jnp.sum(valid, dtype=jnp.int32)
     table_cells = int(tuning.table * rows) + 64
     grid = link_grid(space, count, ll, tuning.per_cell, table_cells, volume)
@@ -245,100 +324,183 @@ def _mass_vel(rows: _Rows, m: int) -> tuple[jax.Array, jax.Array]:
     return mass, vel
 
 
-def _one_device(rows: _Rows, ll: jax.Array, box: jax.Array | None, min_members: int, max_groups: int | None,
-                edge_capacity: int | None, tuning: Tuning) -> tuple[FofResult, Steps]:
+def _members(labels: jax.Array, member: jax.Array) -> jax.Array:
+    """The labels of the rows of groups with enough members, -1 elsewhere."""
+    return jnp.where(member, labels, -1)
+
+
+def _result(labels: jax.Array, catalogue: Catalogue, needed: Buffers, buffers: Buffers,
+            overflow: jax.Array | bool = False) -> FofResult:
+    """The :class:`FofResult`: ``needed`` rows of each buffer, and overflow when one of them exceeds its size (or
+    an exchange overflowed)."""
+    counts = jnp.stack([jnp.asarray(k) for k in needed]).astype(jnp.int32)
+    overflow = overflow | jnp.any(counts > jnp.array(buffers, jnp.int32))
+    return FofResult(labels, catalogue, overflow, counts)
+
+
+# ---- one device ----------------------------------------------------------------------------------------------------
+
+
+def _wrap_into_box(pos: jax.Array, box: jax.Array | None) -> jax.Array:
+    """Positions wrapped into ``[0, box)`` (unchanged without a box)."""
+    return pos if box is None else pos - box[None, :] * jnp.floor(pos / box[None, :])
+
+
+def _one_device(problem: _Problem) -> tuple[FofResult, Steps]:
     """FoF of the particles of one device: link them (in the box, wrapped), label, summarise the groups."""
+    rows, box, min_members = problem.rows, problem.box, problem.min_members
     n = rows.pos.shape[0]
-    available = _available(n, max_groups, edge_capacity, 0, min_members)
-    edge_cap, _, group_cap, _ = available
-    pos = rows.pos if box is None else rows.pos - box[None, :] * jnp.floor(rows.pos / box[None, :])
+    buffers = _device_buffers(problem.requested, n=n, devices=1, min_members=min_members)
+    pos = _wrap_into_box(rows.pos, box)
     index = jnp.arange(n, dtype=jnp.int32)
     valid = index < rows.num
     ids = index if rows.ids is None else rows.ids
-    linked = _link(pos, valid, ids, whole_space(pos, valid, box), pos, ll, None, edge_cap, tuning)
+    linked = _link(pos, valid, ids, space=whole_space(pos, valid, box), grid_pos=pos, problem=problem, volume=None,
+                   edge_capacity=buffers.edge_capacity)
     mass, vel = _mass_vel(rows, n)
     parts = partial_sums(pos, mass, vel, linked.component, valid, n, box)
-    catalogue, groups_needed = finish(parts, linked.labels, parts.count >= min_members, group_cap, box)
-    member = valid & (parts.count[linked.component] >= min_members)
-    labels = jnp.where(member, linked.labels, -1)
-    needed = jnp.stack([linked.num_edges, jnp.int32(0), groups_needed, rows.num]).astype(jnp.int32)
-    overflow = jnp.any(needed > jnp.array(available, jnp.int32))
-    return FofResult(labels, catalogue, overflow, needed), linked.steps
+    catalogue, groups_needed = finish(parts, linked.labels, parts.count >= min_members, buffers.max_groups, box)
+    labels = _members(linked.labels, valid & (parts.count[linked.component] >= min_members))
+    needed = Buffers(edge_capacity=linked.num_edges, halo_capacity=jnp.int32(0), max_groups=groups_needed,
+                     sort_capacity=rows.num)
+    return _result(labels, catalogue, needed, buffers), linked.steps
 
 
-def _several_devices(rows: _Rows, ll: jax.Array, box_arg: Any, box: jax.Array | None, min_members: int,
-                     max_groups: int | None, edge_capacity: int | None, hc: int, m: int, rank: Any, size: int,
-                     tuning: Tuning) -> tuple[FofResult, Steps]:
-    """FoF across ``size`` devices, ``m`` rows per device after the sort and ``hc`` ghost rows (see the module)."""
-    n, dim = rows.pos.shape
+# ---- several devices -----------------------------------------------------------------------------------------------
+
+
+class _Piece(NamedTuple):
+    """A device's compact piece of space: its rows in global z-order, and every device's piece as cell boxes."""
+
+    rows: _Rows  # (m,) rows held after the sort
+    ids: jax.Array  # (m,) global id of each held row
+    valid: jax.Array  # (m,) held rows that are particles
+    routes: Any  # the sort's Routes: how the rows came, to send results back
+    pieces: Pieces  # every device's piece (replicated)
+    needed: jax.Array  # rows the sort needed on this device
+    overflow: jax.Array
+
+
+def _sort_into_pieces(problem: _Problem, *, capacity: int) -> _Piece:
+    """Sort the rows into global z-order, ``capacity`` rows per device (numbered in global (device, row) order by
+    the sort when the particles have no ids: the devices' counts travel with its samples, no scan)."""
+    rows = problem.rows
     dtype = rows.pos.dtype
-    big = m + hc
-    available = _available(m, max_groups, edge_capacity, hc, min_members)
-    edge_cap, _, group_cap, _ = available
-
-    # A compact piece of space per device: the rows in global z-order (numbered in global (device, row) order by
-    # the sort when the particles have no ids: the devices' counts travel with its samples, no scan).
-    result, index = bucket_sort(rows, box_arg, m, number=rows.ids is None, host_sort=True)
+    result, index = bucket_sort(rows, problem.box_arg, capacity, number=rows.ids is None, host_sort=True)
     held, routes = result.part, result.routes
     ids = held.ids if index is None else index
     assert ids is not None and routes is not None
     pieces = piece_cells(held.pos, held.num, result.key_box.origin.astype(dtype),
                          result.key_box.extent.astype(dtype), 64)
-    own_valid = jnp.arange(m, dtype=jnp.int32) < held.num
+    valid = jnp.arange(capacity, dtype=jnp.int32) < held.num
+    return _Piece(held, ids, valid, routes, pieces, result.needed, result.overflow)
 
-    # Own rows, then ghosts from the other devices, linked together on a grid over this device's piece (ghosts
-    # unwrapped next to it) rather than the whole box: small cells and the counting sort of one device.
-    halo = exchange_ghosts(held.pos, ids, pieces, ll, box, rank, size, hc, tuning.ghost_chunk)
-    ghost_valid = jnp.arange(hc, dtype=jnp.int32) < halo.num
-    pos_all = jnp.concatenate([held.pos, halo.pos])
-    ids_all = jnp.concatenate([ids, halo.ids])
-    valid_all = jnp.concatenate([own_valid, ghost_valid])
+
+class _WithGhosts(NamedTuple):
+    """Own rows, then the ghosts received from the other devices."""
+
+    pos: jax.Array  # (m + h, d)
+    ids: jax.Array  # (m + h,)
+    valid: jax.Array  # (m + h,)
+    is_ghost: jax.Array  # (m + h,) valid ghost rows
+    ghosts: Ghosts  # the routes they came by
+
+
+def _add_ghosts(piece: _Piece, problem: _Problem, *, rank: Any, size: int, capacity: int) -> _WithGhosts:
+    """Receive every other device's particles within the linking length of this piece, after the own rows."""
+    ghosts = exchange_ghosts(piece.rows.pos, piece.ids, piece.pieces, problem.linking_length, problem.box, rank,
+                             size, capacity, problem.tuning.ghost_chunk)
+    ghost_valid = jnp.arange(capacity, dtype=jnp.int32) < ghosts.num
+    m = piece.valid.shape[0]
+    return _WithGhosts(jnp.concatenate([piece.rows.pos, ghosts.pos]), jnp.concatenate([piece.ids, ghosts.ids]),
+                       jnp.concatenate([piece.valid, ghost_valid]),
+                       jnp.concatenate([jnp.zeros((m,), bool), ghost_valid]), ghosts)
+
+
+def _piece_space(local: _WithGhosts, pieces: Pieces, problem: _Problem, *,
+                 rank: Any) -> tuple[LinkSpace, jax.Array, jax.Array]:
+    """The link grid's space over this device's piece (ghosts unwrapped next to it) rather than the whole box:
+    small cells and the counting sort of one device. Returns ``(space, grid_pos, volume)``, the volume the piece's
+    cell boxes (widened by the linking length) occupy."""
+    ll, box = problem.linking_length, problem.box
     lower, upper = pieces.lower[rank], pieces.upper[rank]
     occupied = pieces.count[rank] > 0
     extent = jnp.where(occupied[:, None], upper - lower + ll, 0).astype(jnp.float32)
     volume = jnp.sum(jnp.prod(extent, axis=1))
-    if box is not None:
-        space, grid_pos = piece_space(pos_all, valid_all, box, ll, lower, upper, occupied)
-    else:
-        space, grid_pos = whole_space(pos_all, valid_all, None), pos_all
-    linked = _link(pos_all, valid_all, ids_all, space, grid_pos, ll, volume, edge_cap, tuning)
-    component = linked.component
-    labels, merges = merge_labels(linked.labels, component, halo, m, hc)
+    if box is None:
+        return whole_space(local.pos, local.valid, None), local.pos, volume
+    space, grid_pos = piece_space(local.pos, local.valid, box, ll, lower, upper, occupied)
+    return space, grid_pos, volume
 
-    # Per-component sums of own members; components with ghosts are pieces of groups that cross devices, summed
-    # on their home device.
-    mass, vel = _mass_vel(held, m)
-    own_rows = jnp.concatenate([own_valid, jnp.zeros((hc,), bool)])
+
+class _Groups(NamedTuple):
+    """The groups of one device's components, those crossing devices summed on their home device."""
+
+    catalogue: Catalogue
+    count: jax.Array  # (m + h,) members of each component's whole group
+    needed: jax.Array  # catalogue rows needed
+    boundary_needed: jax.Array  # rows the exchange of pieces of groups needed
+    overflow: jax.Array
+
+
+def _catalogue_across(piece: _Piece, local: _WithGhosts, component: jax.Array, labels: jax.Array,
+                      problem: _Problem, *, rank: Any, size: int, buffers: Buffers) -> _Groups:
+    """Per-component sums of own members; components with ghosts are pieces of groups that cross devices, summed
+    on their home device (``boundary_totals``)."""
+    box, min_members = problem.box, problem.min_members
+    m, hc = buffers.sort_capacity, buffers.halo_capacity
+    dtype, dim = piece.rows.pos.dtype, piece.rows.pos.shape[1]
+    big = m + hc
+    mass, vel = _mass_vel(piece.rows, m)
+    own_rows = jnp.concatenate([piece.valid, jnp.zeros((hc,), bool)])
     mass_all = jnp.concatenate([mass, jnp.zeros((hc,), dtype)])
     vel_all = jnp.concatenate([vel, jnp.zeros((hc, dim), dtype)])
-    parts = partial_sums(pos_all, mass_all, vel_all, component, own_rows, big, box)
-    has_ghost = jax.ops.segment_max(jnp.concatenate([jnp.zeros((m,), jnp.int32), ghost_valid.astype(jnp.int32)]),
-                                    component, big) > 0
+    parts = partial_sums(local.pos, mass_all, vel_all, component, own_rows, big, box)
+    has_ghost = jax.ops.segment_max(local.is_ghost.astype(jnp.int32), component, big) > 0
     boundary = has_ghost & (parts.count > 0)
     totals, home, home_label, home_first, piece_needed, piece_overflow = boundary_totals(
         parts, labels, boundary, rank, size, hc, box)
-    group_count = jnp.where(boundary, totals, parts.count)
     local_keep = ~boundary & (parts.count >= min_members)
     cat_parts = Partial(*(jnp.concatenate([a, b]) for a, b in zip(parts, home, strict=True)))
     cat_label = jnp.concatenate([labels, home_label])
     keep = jnp.concatenate([local_keep, home_first & (home.count >= min_members)])
-    catalogue, groups_needed = finish(cat_parts, cat_label, keep, group_cap, box)
+    catalogue, groups_needed = finish(cat_parts, cat_label, keep, buffers.max_groups, box)
+    return _Groups(catalogue, jnp.where(boundary, totals, parts.count), groups_needed, piece_needed, piece_overflow)
 
-    # Labels home along the reverse routes of the sort: regrouped by sender (no sort), they arrive packed by
-    # device in the order the rows left, i.e. ``routes.perm``.
-    member = own_valid & (group_count[component[:m]] >= min_members)
-    own_label = jnp.where(member, labels[:m], -1)
-    back, _, back_overflow = send_grouped({"label": own_label}, routes.received, capacity=n, perm=routes.back,
-                                          plan=(routes.sent, routes.largest), chunk=share_chunk(m, size))
+
+def _labels_home(labels: jax.Array, routes: Any, *, n: int, size: int) -> tuple[jax.Array, jax.Array]:
+    """The held rows' labels back to the `(n,)` input rows along the reverse routes of the sort, and an overflow
+    flag: regrouped by sender (no sort), they arrive packed by device in the order the rows left (``routes.perm``)."""
+    m = labels.shape[0]
+    back, _, overflow = send_grouped({"label": labels}, routes.received, capacity=n, perm=routes.back,
+                                     plan=(routes.sent, routes.largest), chunk=share_chunk(m, size))
     returned = jnp.arange(n, dtype=jnp.int32) < jnp.sum(routes.sent)
-    home_labels = jnp.full((n,), -1, jnp.int32).at[jnp.where(returned, routes.perm, n)].set(back["label"],
-                                                                                            mode="drop")
-    needed = jnp.stack([linked.num_edges, jnp.maximum(halo.needed, piece_needed), groups_needed,
-                        result.needed]).astype(jnp.int32)
-    overflow = result.overflow | halo.overflow | piece_overflow | back_overflow | \
-        jnp.any(needed > jnp.array(available, jnp.int32))
-    steps = linked.steps._replace(ghosts=halo.steps, merges=merges)
-    return FofResult(home_labels, catalogue, overflow, needed), steps
+    home = jnp.full((n,), -1, jnp.int32).at[jnp.where(returned, routes.perm, n)].set(back["label"], mode="drop")
+    return home, overflow
+
+
+def _several_devices(problem: _Problem, *, rank: Any, size: int) -> tuple[FofResult, Steps]:
+    """FoF across ``size`` devices: sort into pieces of space, add ghosts, link, merge labels across devices, sum
+    the groups, send the labels home."""
+    n = problem.rows.pos.shape[0]
+    buffers = _device_buffers(problem.requested, n=n, devices=size, min_members=problem.min_members)
+    m, hc = buffers.sort_capacity, buffers.halo_capacity
+    piece = _sort_into_pieces(problem, capacity=m)
+    local = _add_ghosts(piece, problem, rank=rank, size=size, capacity=hc)
+    space, grid_pos, volume = _piece_space(local, piece.pieces, problem, rank=rank)
+    linked = _link(local.pos, local.valid, local.ids, space=space, grid_pos=grid_pos, problem=problem,
+                   volume=volume, edge_capacity=buffers.edge_capacity)
+    labels, merges = merge_labels(linked.labels, linked.component, local.ghosts, m, hc)
+    groups = _catalogue_across(piece, local, linked.component, labels, problem, rank=rank, size=size,
+                               buffers=buffers)
+    member = piece.valid & (groups.count[linked.component[:m]] >= problem.min_members)
+    home_labels, back_overflow = _labels_home(_members(labels[:m], member), piece.routes, n=n, size=size)
+    needed = Buffers(edge_capacity=linked.num_edges,
+                     halo_capacity=jnp.maximum(local.ghosts.needed, groups.boundary_needed),
+                     max_groups=groups.needed, sort_capacity=piece.needed)
+    overflow = piece.overflow | local.ghosts.overflow | groups.overflow | back_overflow
+    steps = linked.steps._replace(ghosts=local.ghosts.steps, merges=merges)
+    return _result(home_labels, groups.catalogue, needed, buffers, overflow), steps
 
 
 def fof_steps(part: Any, linking_length: float, **options: Any) -> tuple[dict[str, int], FofResult]:
@@ -373,17 +535,72 @@ def fof_steps(part: Any, linking_length: float, **options: Any) -> tuple[dict[st
     return {name: int(value) for name, value in steps._asdict().items()}, result
 
 
+# ---- the global view ----------------------------------------------------------------------------------------------
+
 _CONSTRUCTED: dict[tuple[Mesh | None, bool], Callable[..., FofResult]] = {}
 
 
 # The ghost buffer ``fof.smap`` starts from when ``halo_capacity`` is left unset. Boundary rows are a few percent of
 # a device's particles at the usual sizes (1e6 uniform points on 8 devices: 3% at b = 0.2, 9% at b = 0.7), and the
-# linking and the catalogue hold the own rows plus this buffer: at 1e6 points on 8 devices the compiled working set
-# per device is 67 MiB with a buffer of n / 16 rows and 80 MiB with ``fof``'s default (n / 4), at the
-# same speed. A device that needs more grows it (see ``_global_fof``).
+# linking and the catalogue hold the own rows plus this buffer: a buffer of n / 16 rows keeps the compiled working
+# set well below the one of ``fof``'s default (n / 4), at the same speed. A device that needs more grows it (see
+# ``_global_fof``).
 _AUTO_HALO_FRACTION = 16
 # Runs of one call while automatic buffers grow (each growth compiles the kernel for the new sizes once).
 _AUTO_ROUNDS = 4
+
+
+class _Static(NamedTuple):
+    """The static arguments of a ``fof.smap`` program (a new value compiles a new program)."""
+
+    linking_length: float
+    box: float | tuple[float, ...] | None
+    min_members: int
+    tuning: Tuning
+
+
+def _global_shape(part: Any) -> tuple[int, int]:
+    """``(ndev, n)`` of a global particle pytree or a plain ``(ndev, n, d)`` position array."""
+    plain = isinstance(part, jax.Array | np.ndarray)
+    pos = part if plain else getattr(part, "pos", None)
+    if pos is None or not (plain or hasattr(part, "num")) or jnp.ndim(pos) != 3:
+        raise ValueError("fof.smap: part must be a global particle pytree with pos of shape (ndev, n, d) "
+                         "(e.g. from shardax.particles.from_numpy) or an (ndev, n, d) array of positions; call fof() "
+                         "for the local view")
+    ndev, n = (int(k) for k in jnp.shape(pos)[:2])
+    if not plain:
+        check_count(part.num, n, "fof.smap")
+    return ndev, n
+
+
+def _smap_body(treedef: Any, static: _Static, sizes: Buffers) -> Callable[..., Any]:
+    """The mapped function of ``fof.smap``: :func:`fof` on one device's leaves, and the flags the host checks
+    (overflow, the rows each buffer needed, positions that are not finite, the data's bounds in a box)."""
+
+    def body(leaves: list[jax.Array]) -> tuple[FofResult, tuple[jax.Array, ...]]:
+        local = jax.tree.unflatten(treedef, leaves)
+        view = _particle_set(local, "fof.smap")
+        n = view.pos.shape[0]
+        valid = jnp.arange(n) < view.num
+        bad = jnp.sum(valid & ~jnp.all(jnp.isfinite(view.pos), axis=1)).astype(jnp.int32)
+        res = fof(local, static.linking_length, box=static.box, min_members=static.min_members,
+                  tuning=static.tuning, **sizes._asdict())
+        # One all-gather for the three flags (across processes each collective costs milliseconds).
+        every = allgather(jnp.concatenate([res.overflow.astype(jnp.int32)[None], res.needed, bad[None]]))
+        worst = jnp.max(every[:, :-1], axis=0)
+        span = mapped_bounds(view.pos, view.num) if static.box is not None else ()  # checked after the call
+        return res, (worst[0], worst[1:], jnp.sum(every[:, -1]), *span)
+
+    return body
+
+
+def _check_data(bad: Any, span: list[Any], box: Any) -> None:
+    """Raise ``ValueError`` for data outside the periodic box or not finite (flags of :func:`_smap_body`)."""
+    if span:  # before the other checks: counts of data in another box mean nothing
+        check_bounds(span[0], span[1], box, "fof.smap")
+    if int(bad):
+        raise ValueError(f"fof: {int(bad)} particle(s) have NaN or infinite coordinates in part.pos; remove or fix "
+                         "them")
 
 
 def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., FofResult]:
@@ -391,7 +608,8 @@ def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., 
 
     The returned function takes the arguments of :func:`fof` (``linking_length`` and ``box`` as Python numbers: a
     new value recompiles) and returns a :class:`FofResult` in the global view (``labels (ndev, n)``, catalogue
-    fields ``(ndev, g, ...)``).
+    fields ``(ndev, g, ...)``). ``part`` is a global particle pytree or a plain ``(ndev, n, d)`` position array
+    (every row a particle).
 
     Buffers left unset are sized automatically: ``halo_capacity`` starts at ``max(n // 16, 1024)`` rows and
     ``sort_capacity`` at ``n``, and when a device needs more of any unset buffer (``edge_capacity``,
@@ -407,119 +625,85 @@ def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., 
     cache: dict[tuple, Callable[..., Any]] = {}
     grown: dict[tuple, dict[str, int]] = {}
 
-    def compiled(treedef: Any, options: tuple, sizes: tuple[int | None, int | None, int, int | None]
-                 ) -> Callable[..., Any]:
-        linking_length, static_box, min_members, tuning = options
-        max_groups, edge_capacity, halo_capacity, sort_capacity = sizes
-        key = (treedef, *options, *sizes)
-        fn = cache.get(key)
-        if fn is None:
-            def body(leaves: list[jax.Array]) -> tuple[FofResult, tuple[jax.Array, ...]]:
-                local = jax.tree.unflatten(treedef, leaves)
-                n = local.pos.shape[0]
-                valid = jnp.arange(n) < local.num
-                bad = jnp.sum(valid & ~jnp.all(jnp.isfinite(local.pos), axis=1)).astype(jnp.int32)
-                res = fof(local, linking_length, box=static_box, min_members=min_members, max_groups=max_groups,
-                          edge_capacity=edge_capacity, halo_capacity=halo_capacity, sort_capacity=sort_capacity,
-                          tuning=tuning)
-                # One all-gather for the three flags (across processes each collective costs milliseconds).
-                every = allgather(jnp.concatenate([res.overflow.astype(jnp.int32)[None], res.needed, bad[None]]))
-                worst = jnp.max(every[:, :-1], axis=0)
-                span = mapped_bounds(local.pos, local.num) if static_box is not None else ()  # checked after the call
-                return res, (worst[0], worst[1:], jnp.sum(every[:, -1]), *span)
-
-            fn = smap(body, in_specs=(ALL,), out_specs=(ALL, P()), mesh=mesh, jit=jit, name="fof.smap")
-            cache[key] = fn
-        return fn
+    def compiled(treedef: Any, static: _Static, sizes: Buffers) -> Callable[..., Any]:
+        key = (treedef, *static, *sizes)
+        if key not in cache:
+            cache[key] = smap(_smap_body(treedef, static, sizes), in_specs=(ALL,), out_specs=(ALL, P()), mesh=mesh,
+                              jit=jit, name="fof.smap")
+        return cache[key]
 
     def call(part: Any, linking_length: float, *, box: Any = None, min_members: int = 20,
              max_groups: int | None = None, edge_capacity: int | None = None, halo_capacity: int | None = None,
              sort_capacity: int | None = None, tuning: Tuning | TuningName | None = None) -> FofResult:
         tuning = resolve(tuning, "fof.smap", None if mesh is None else mesh.devices)
-        if getattr(part, "pos", None) is None or not hasattr(part, "num") or jnp.ndim(part.pos) != 3:
-            raise ValueError("fof.smap: part must be a global particle pytree with pos of shape (ndev, n, d) "
-                             "(e.g. from shardax.particles.from_numpy); call fof() for the local view")
-        ndev, n = (int(k) for k in jnp.shape(part.pos)[:2])
-        check_count(part.num, n, "fof.smap")
+        ndev, n = _global_shape(part)
+        pos = part if isinstance(part, jax.Array | np.ndarray) else part.pos
         if isinstance(linking_length, bool) or not isinstance(linking_length, int | float | np.floating):
             raise TypeError(f"fof.smap: linking_length must be a Python number, got {type(linking_length).__name__}")
-        if jnp.issubdtype(jnp.result_type(part.pos), jnp.floating):
-            _box_vector(box, int(jnp.shape(part.pos)[-1]), jnp.result_type(part.pos))
-        for name, value in (("max_groups", max_groups), ("edge_capacity", edge_capacity),
-                            ("halo_capacity", halo_capacity), ("sort_capacity", sort_capacity)):
-            _positive_int(value, name, allow_none=True)
+        if jnp.issubdtype(jnp.result_type(pos), jnp.floating):
+            _box_vector(box, int(jnp.shape(pos)[-1]), jnp.result_type(pos))
+        requested = _requested(edge_capacity=edge_capacity, halo_capacity=halo_capacity, max_groups=max_groups,
+                               sort_capacity=sort_capacity)
         if ndev == 1 and n == 1:  # the one-device pair search needs two rows: add a padding row, drop its label
-            res = call(pad_global(part, 1), linking_length, box=box, min_members=min_members, max_groups=max_groups,
-                       edge_capacity=edge_capacity, halo_capacity=halo_capacity, sort_capacity=sort_capacity,
-                       tuning=tuning)
+            if pos is part:
+                part = Particles(pos=jnp.asarray(pos), num=jnp.ones((1,), jnp.int32))
+            res = call(pad_global(part, 1), linking_length, box=box, min_members=min_members, tuning=tuning,
+                       **requested._asdict())
             return res._replace(labels=res.labels[:, :1])
         static_box = None if box is None else (float(box) if np.ndim(box) == 0 else tuple(np.asarray(box).tolist()))
-        options = (float(linking_length), static_box, min_members, tuning)
+        static = _Static(float(linking_length), static_box, min_members, tuning)
         leaves, treedef = jax.tree.flatten(part)
-        given = {"max_groups": max_groups, "edge_capacity": edge_capacity, "halo_capacity": halo_capacity,
-                 "sort_capacity": sort_capacity}
-        auto = grown.setdefault((treedef, n, *options, *given.values()), {})
+        auto = grown.setdefault((treedef, n, *static, *requested), {})
         for _ in range(_AUTO_ROUNDS):
-            hc = halo_capacity or auto.get("halo_capacity") or max(n // _AUTO_HALO_FRACTION, 1024)
-            sizes = (max_groups or auto.get("max_groups"), edge_capacity or auto.get("edge_capacity"), hc,
-                     sort_capacity or auto.get("sort_capacity"))
-            res, checks = compiled(treedef, options, sizes)(leaves)
+            sizes = _start_sizes(requested, auto, n)
+            res, checks = compiled(treedef, static, sizes)(leaves)
             if isinstance(checks[0], Tracer):
                 return res
             any_overflow, needed, bad, *span = jax.device_get(checks)  # one transfer
-            if span:  # before the other checks: counts of data in another box mean nothing
-                check_bounds(span[0], span[1], box, "fof.smap")
-            if int(bad):
-                raise ValueError(f"fof: {int(bad)} particle(s) have NaN or infinite coordinates in part.pos; "
-                                 "remove or fix them")
+            _check_data(bad, span, box)
             if not int(any_overflow):
                 return res
-            short = _short_buffers(np.asarray(needed), sizes, n, ndev, min_members)
-            if not short or any(given.get(name) is not None for name in short):
+            short = _short_buffers(np.asarray(needed), sizes, n=n, ndev=ndev, min_members=min_members)
+            if not short or any(getattr(requested, name) is not None for name in short):
                 break
             auto.update(short)
-        held = (sizes[3] or n) if ndev > 1 else n
-        _raise_capacity(np.asarray(needed), held, sizes[0], sizes[1], hc if ndev > 1 else 0, min_members)
+        _raise_capacity(np.asarray(needed), _device_buffers(sizes, n=n, devices=ndev, min_members=min_members))
 
     _CONSTRUCTED[(mesh, jit)] = call
     return call
 
 
-def _short_buffers(needed: np.ndarray, sizes: tuple[int | None, int | None, int, int | None], n: int, ndev: int,
-                   min_members: int) -> dict[str, int]:
-    """The buffers of ``sizes`` (``max_groups, edge_capacity, halo_capacity, sort_capacity``) that a call of
-    ``fof.smap`` on ``ndev`` devices of ``n`` rows overflowed, each with a quarter more than a device ``needed``;
-    the ghost buffer doubled when an exchange overflowed without a count over its buffer."""
-    max_groups, edge_capacity, hc, sort_capacity = sizes
-    held = (sort_capacity or n) if ndev > 1 else n
-    have = _available(held, max_groups, edge_capacity, hc if ndev > 1 else 0, min_members)
-    short = {name: k + k // 4 + 1 for name, k, h in zip(_CAPACITIES, needed.tolist(), have, strict=True) if k > h}
+def _start_sizes(requested: Buffers, grown: dict[str, int], n: int) -> Buffers:
+    """The buffer sizes of a run of ``fof.smap``: as requested, else as grown by earlier runs, else the default
+    (for the ghost rows the automatic start, a fraction of the ``n`` rows per device)."""
+    sizes = Buffers(*(given or grown.get(name) for name, given in requested._asdict().items()))
+    return sizes._replace(halo_capacity=sizes.halo_capacity or max(n // _AUTO_HALO_FRACTION, 1024))
+
+
+def _short_buffers(needed: np.ndarray, sizes: Buffers, *, n: int, ndev: int, min_members: int) -> dict[str, int]:
+    """The buffers of ``sizes`` that a call of ``fof.smap`` on ``ndev`` devices of ``n`` rows overflowed, each with
+    a quarter more than a device ``needed``; the ghost buffer doubled when an exchange overflowed without a count
+    over its buffer."""
+    have = _device_buffers(sizes, n=n, devices=ndev, min_members=min_members)
+    short = {name: k + k // 4 + 1 for name, k, h in zip(Buffers._fields, needed.tolist(), have, strict=True)
+             if k > h}
     if not short and ndev > 1:
-        short = {"halo_capacity": 2 * hc}
+        short = {"halo_capacity": 2 * have.halo_capacity}
     return short
 
 
-def _available(m: int, max_groups: int | None, edge_capacity: int | None, halo_capacity: int,
-               min_members: int) -> list[int]:
-    """The sizes of the four buffers of ``FofResult.needed`` (edges, halo rows, catalogue rows, rows after the
-    sort), the defaults of those left ``None`` resolved, for ``m`` rows per device after the sort (on one device
-    the particle rows, and the halo is 0)."""
-    return [edge_capacity or 8 * (m + halo_capacity) + 4096, halo_capacity,
-            max_groups or (m + halo_capacity) // min_members + 16, m]
-
-
-def _raise_capacity(needed: np.ndarray, m: int, max_groups: int | None, edge_capacity: int | None,
-                    halo_capacity: int, min_members: int) -> NoReturn:
-    available = _available(m, max_groups, edge_capacity, halo_capacity, min_members)
+def _raise_capacity(needed: np.ndarray, buffers: Buffers) -> NoReturn:
+    """Raise the :class:`CapacityError` of the first buffer (of ``buffers``) a device ``needed`` more of."""
     # The sorted rows first: when a device overflows them, the other counts are of incomplete data.
-    for name, need, have in sorted(zip(_CAPACITIES, needed.tolist(), available, strict=True),
+    for name, need, have in sorted(zip(Buffers._fields, needed.tolist(), buffers, strict=True),
                                    key=lambda item: item[0] != "sort_capacity"):
         if need > have:
             raise CapacityError(f"fof: a device needed {need} rows of {name} but has {have}; pass "
                                 f"{name}={need + need // 4 + 1}",
                                 needed=need + need // 4 + 1, available=have, argument=name)
+    halo = buffers.halo_capacity
     raise CapacityError("fof: an exchange between devices overflowed; raise halo_capacity",
-                        needed=2 * max(halo_capacity, 1), available=halo_capacity, argument="halo_capacity")
+                        needed=2 * max(halo, 1), available=halo, argument="halo_capacity")
 
 
 fof.smap = _global_fof  # type: ignore[attr-defined]

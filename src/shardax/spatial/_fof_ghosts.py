@@ -40,7 +40,7 @@ class Pieces(NamedTuple):
     upper: jax.Array
 
 
-class Halo(NamedTuple):
+class Ghosts(NamedTuple):
     """Routes of the ghost exchange: what this device sent, and the ghosts it received.
 
     The send list is grouped by destination rank and the ghosts arrive grouped by owner rank, each group in the
@@ -168,8 +168,16 @@ def _box_gap2(centre: jax.Array, half: jax.Array, other_centre: jax.Array, other
     return jnp.sum(gap * gap, axis=-1)
 
 
+class _Selection(NamedTuple):
+    """Carry of the ghost selection: the (own cell, device, cell) pair being tested, and which own rows are near
+    which device (`(size * n,)` bool)."""
+
+    pair: jax.Array
+    near: jax.Array
+
+
 def exchange_ghosts(pos: jax.Array, ids: jax.Array, pieces: Pieces, linking_length: jax.Array,
-                    box: jax.Array | None, rank: Any, size: int, capacity: int, chunk: int = 512) -> Halo:
+                    box: jax.Array | None, rank: Any, size: int, capacity: int, chunk: int = 512) -> Ghosts:
     """Send every own particle within the linking length of another device's piece (its cell boxes) there.
 
     Own cells are runs of rows (the particles are in z-order), so only the pairs of an own cell and another
@@ -177,11 +185,10 @@ def exchange_ghosts(pos: jax.Array, ids: jax.Array, pieces: Pieces, linking_leng
     particles near the surface of this device's piece times the few cells across it, not every particle times
     every cell of the surface.
 
-    ``chunk``: rows tested per loop step (``FofTuning.ghost_chunk``). Each step costs tens of microseconds of
-    fixed overhead on XLA:CPU, so larger steps are cheaper up to a point: on 1e6 uniform points (about 2000 rows
-    per cell) FoF took 1061, 1020, 1024 and 1318 ms on 8 CPU devices with 256, 512, 1024 and 1536 rows (past 1024
-    XLA's per-step code gets much slower); the CPU preset's 512 keeps away from that edge. On a GPU a step costs
-    a fixed fraction of a millisecond whatever it holds, so its preset tests a cell's rows in one step.
+    ``chunk``: rows tested per loop step (``FofTuning.ghost_chunk``). Each step has a fixed overhead on XLA:CPU, so
+    larger steps are cheaper up to a point, past which XLA's per-step code gets much slower (the CPU preset keeps
+    away from that edge). On a GPU a step costs a fixed fraction of a millisecond whatever it holds, so its preset
+    tests a cell's rows in one step.
     """
     n, dim = pos.shape
     # A little slack: sending a far particle costs a row, missing a near one would cost a link.
@@ -207,23 +214,22 @@ def exchange_ghosts(pos: jax.Array, ids: jax.Array, pieces: Pieces, linking_leng
     lanes = jnp.arange(chunk, dtype=jnp.int32)
     pos_pad = jnp.concatenate([pos, jnp.zeros((chunk, dim), pos.dtype)])
 
-    def test_chunk(t: jax.Array, state: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def test_chunk(t: jax.Array, state: _Selection) -> _Selection:
         # Step t tests a chunk of pair p, the first pair with steps_end[p] > t. Every pair takes at least one step,
         # so p moves on by at most one pair per step: carried, not searched for (a binary search per step was
         # measurable on XLA:CPU, where each loop step costs microseconds).
-        p, near = state
-        p = jnp.where(t >= steps_end[p], p + 1, p)
+        p = jnp.where(t >= steps_end[state.pair], state.pair + 1, state.pair)
         m, r, k = mine[p], dest[p], theirs[p]
         first = start[m] + (t - (steps_end[p] - steps[p])) * chunk
         rows = first + lanes
         block = lax.dynamic_slice_in_dim(pos_pad, first, chunk)
         hit = _box_gap2(block, jnp.zeros_like(block), centre[r, k][None, :], half[r, k][None, :], box) <= reach2
         hit = hit & (rows < start[m] + count[m])
-        return p, near.at[jnp.where(hit, r * n + rows, size * n)].set(True, mode="drop")
+        return _Selection(p, state.near.at[jnp.where(hit, r * n + rows, size * n)].set(True, mode="drop"))
 
-    _, near = lax.fori_loop(0, steps_end[-1], test_chunk,
-                            vary_like((jnp.int32(0), jnp.zeros((size * n,), bool)), pos))
-    near = near.reshape(size, n)
+    selected = lax.fori_loop(0, steps_end[-1], test_chunk,
+                             vary_like(_Selection(jnp.int32(0), jnp.zeros((size * n,), bool)), pos))
+    near = selected.near.reshape(size, n)
     per_dest = jnp.sum(near, axis=1, dtype=jnp.int32)
     send_num = jnp.sum(per_dest)
     # The copies in (destination, row) order, in two compactions: the rows near any other device, then their copies.
@@ -241,7 +247,7 @@ def exchange_ghosts(pos: jax.Array, ids: jax.Array, pieces: Pieces, linking_leng
     got, _, overflow = send_grouped({"pos": pos[send_row], "ids": ids[send_row]}, send_counts, capacity=capacity,
                                     plan=(recv_counts, largest), chunk=boundary_chunks(capacity, size))
     received = jnp.sum(recv_counts)
-    return Halo(send_row, send_dest, jnp.minimum(send_num, capacity), send_counts, got["pos"], got["ids"],
+    return Ghosts(send_row, send_dest, jnp.minimum(send_num, capacity), send_counts, got["pos"], got["ids"],
                 jnp.minimum(received, capacity), recv_counts, largest, jnp.maximum(send_num, received),
                 overflow | (send_num > capacity), steps_end[-1])
 
@@ -252,7 +258,16 @@ def segment_min_labels(labels: jax.Array, component: jax.Array) -> jax.Array:
     return jax.ops.segment_min(labels, component, n)[component]
 
 
-def merge_labels(labels: jax.Array, component: jax.Array, halo: Halo, n: int,
+class _Merge(NamedTuple):
+    """Carry of the label merge: labels of own rows then ghosts, whether a round changed any label anywhere, and
+    the rounds so far."""
+
+    labels: jax.Array
+    changed: jax.Array
+    rounds: jax.Array
+
+
+def merge_labels(labels: jax.Array, component: jax.Array, ghosts: Ghosts, n: int,
                  capacity: int) -> tuple[jax.Array, jax.Array]:
     """Settle labels across devices: `(n + h,)` labels of own rows then ghosts, minimum over each global group, and
     the number of rounds it took.
@@ -260,26 +275,25 @@ def merge_labels(labels: jax.Array, component: jax.Array, halo: Halo, n: int,
     Each round sends the ghosts' labels back to their owners and the owners' labels out to their ghosts, along the
     fixed routes of the ghost exchange (no sorting), with a minimum over each local component after each.
     """
-    ghost_valid = jnp.arange(capacity, dtype=jnp.int32) < halo.num
-    sent = jnp.arange(capacity, dtype=jnp.int32) < halo.send_num
-    chunk = boundary_chunks(capacity, halo.send_counts.shape[0])
+    ghost_valid = jnp.arange(capacity, dtype=jnp.int32) < ghosts.num
+    sent = jnp.arange(capacity, dtype=jnp.int32) < ghosts.send_num
+    chunk = boundary_chunks(capacity, ghosts.send_counts.shape[0])
 
-    def step(state: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
-        labels, _, rounds = state
-        old = labels
-        back, _, _ = send_grouped({"label": labels[n:]}, halo.recv_counts, capacity=capacity,
-                                  plan=(halo.send_counts, halo.largest), chunk=chunk)
-        own = labels[:n].at[jnp.where(sent, halo.send_row, n)].min(back["label"], mode="drop")
+    def round_trip(state: _Merge) -> _Merge:
+        labels = state.labels
+        back, _, _ = send_grouped({"label": labels[n:]}, ghosts.recv_counts, capacity=capacity,
+                                  plan=(ghosts.send_counts, ghosts.largest), chunk=chunk)
+        own = labels[:n].at[jnp.where(sent, ghosts.send_row, n)].min(back["label"], mode="drop")
         labels = segment_min_labels(jnp.concatenate([own, labels[n:]]), component)
-        fwd, _, _ = send_grouped({"label": labels[:n][halo.send_row]}, halo.send_counts, capacity=capacity,
-                                 plan=(halo.recv_counts, halo.largest), chunk=chunk)
-        ghosts = jnp.where(ghost_valid, jnp.minimum(labels[n:], fwd["label"]), INT_MAX)
-        labels = segment_min_labels(jnp.concatenate([labels[:n], ghosts]), component)
-        changed = allreduce(jnp.any(labels != old).astype(jnp.int32), "max")
-        return labels, changed, rounds + 1
+        fwd, _, _ = send_grouped({"label": labels[:n][ghosts.send_row]}, ghosts.send_counts, capacity=capacity,
+                                 plan=(ghosts.recv_counts, ghosts.largest), chunk=chunk)
+        ghost_labels = jnp.where(ghost_valid, jnp.minimum(labels[n:], fwd["label"]), INT_MAX)
+        labels = segment_min_labels(jnp.concatenate([labels[:n], ghost_labels]), component)
+        changed = allreduce(jnp.any(labels != state.labels).astype(jnp.int32), "max")
+        return _Merge(labels, changed, state.rounds + 1)
 
-    labels, _, rounds = lax.while_loop(lambda s: s[1] > 0, step, (labels, jnp.int32(1), jnp.int32(0)))
-    return labels, rounds
+    done = lax.while_loop(lambda s: s.changed > 0, round_trip, _Merge(labels, jnp.int32(1), jnp.int32(0)))
+    return done.labels, done.rounds
 
 
 def boundary_totals(parts: Partial, label: jax.Array, boundary: jax.Array, rank: Any, size: int, capacity: int,

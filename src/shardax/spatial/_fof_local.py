@@ -197,6 +197,16 @@ def _starts_of_sorted(keys: jax.Array, table_cells: int, num: jax.Array) -> jax.
     return lax.cummin(first, reverse=True)
 
 
+class _Deal(NamedTuple):
+    """Carry of the counting sort's rounds: the round, the rank within its cell of each point of the remainder,
+    which of them still wait, and the winning ticket of each cell."""
+
+    round: jax.Array
+    rank: jax.Array
+    left: jax.Array
+    top: jax.Array
+
+
 def sort_points(pos: jax.Array, valid: jax.Array, space: LinkSpace, grid: Grid, table_cells: int,
                 rounds: int = DEFAULT_TUNING.rank_rounds, grid_pos: jax.Array | None = None) -> SortedPoints:
     """Valid rows of ``pos`` sorted by cell key (order within a cell unspecified), on a grid of at most
@@ -241,21 +251,19 @@ def sort_points(pos: jax.Array, valid: jax.Array, space: LinkSpace, grid: Grid, 
     sub_keys = jnp.where(sub < n, keys[jnp.minimum(sub, n - 1)], table_cells)
     rounds = min(rounds, (2**31 - 1) // max(n, 1) - 1)
 
-    def waiting(state: tuple[jax.Array, ...]) -> jax.Array:
-        r, _, left, _ = state
-        return (r < rounds) & jnp.any(left)
+    def waiting(state: _Deal) -> jax.Array:
+        return (state.round < rounds) & jnp.any(state.left)
 
-    def deal(state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        r, rank, left, top = state
-        ticket = r * n + sub
-        top = top.at[jnp.where(left, sub_keys, table_cells + 1)].max(ticket, mode="drop")
-        won = left & (top[sub_keys] == ticket)
-        return r + 1, jnp.where(won, r, rank), left & ~won, top
+    def deal(state: _Deal) -> _Deal:
+        ticket = state.round * n + sub
+        top = state.top.at[jnp.where(state.left, sub_keys, table_cells + 1)].max(ticket, mode="drop")
+        won = state.left & (top[sub_keys] == ticket)
+        return _Deal(state.round + 1, jnp.where(won, state.round, state.rank), state.left & ~won, top)
 
-    init = (jnp.int32(1), vary_like(jnp.zeros((spare,), jnp.int32), pos), sub < n, top)
-    dealt, sub_rank, left, _ = lax.while_loop(waiting, deal, init)
-    rank = jnp.zeros((n,), jnp.int32).at[sub].set(sub_rank, mode="drop")
-    fallback = (jnp.sum(remaining, dtype=jnp.int32) > spare) | jnp.any(left)
+    dealt = lax.while_loop(waiting, deal, _Deal(jnp.int32(1), vary_like(jnp.zeros((spare,), jnp.int32), pos),
+                                                sub < n, top))
+    rank = jnp.zeros((n,), jnp.int32).at[sub].set(dealt.rank, mode="drop")
+    fallback = (jnp.sum(remaining, dtype=jnp.int32) > spare) | jnp.any(dealt.left)
 
     def counting() -> jax.Array:
         # Padding rows (key table_cells) take the rows after the valid ones, in row order.
@@ -263,7 +271,7 @@ def sort_points(pos: jax.Array, valid: jax.Array, space: LinkSpace, grid: Grid, 
         return jnp.zeros((n,), jnp.int32).at[at].set(idx)
 
     rows = lax.cond(fallback, comparison, counting)
-    return SortedPoints(keys[rows], rows, pos[rows], coords[rows], starts, dealt - 1)
+    return SortedPoints(keys[rows], rows, pos[rows], coords[rows], starts, dealt.round - 1)
 
 
 def dist2(a: jax.Array, b: jax.Array, box: jax.Array | None) -> jax.Array:
@@ -337,6 +345,18 @@ def _runs(coords: jax.Array, idx: jax.Array, num: jax.Array, starts: jax.Array, 
     return runs
 
 
+class _Search(NamedTuple):
+    """Carry of the link search: the first candidate number of the next step and the first point with candidates
+    from it on, the edge list so far (both ends), pairs found, steps taken."""
+
+    slot: jax.Array
+    point: jax.Array
+    first: jax.Array
+    second: jax.Array
+    count: jax.Array
+    steps: jax.Array
+
+
 def find_links(points: SortedPoints, num: jax.Array, linking_length: jax.Array, space: LinkSpace, grid: Grid, *,
                edge_capacity: int, tuning: Tuning = DEFAULT_TUNING) -> Links:
     """All pairs of the first ``num`` sorted points closer than (or at) the linking length, each pair at least once.
@@ -398,11 +418,11 @@ def find_links(points: SortedPoints, num: jax.Array, linking_length: jax.Array, 
             before = before + length
         return found
 
-    def cond(state: tuple[jax.Array, ...]) -> jax.Array:
-        return state[0] < num_slots
+    def cond(state: _Search) -> jax.Array:
+        return state.slot < num_slots
 
-    def step(state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        slot0, p0, first_out, second_out, count, steps = state
+    def step(state: _Search) -> _Search:
+        slot0, p0, count = state.slot, state.point, state.count
         # p0 is the first point with candidates from slot0 on (or an earlier one without any). This step covers
         # the candidates of points p0 .. p0 + slots - 1 from slot0 on, at most `slots` of them.
         mine = lax.dynamic_slice(begin_pad, (p0,), (slots + 1,))
@@ -416,18 +436,33 @@ def find_links(points: SortedPoints, num: jax.Array, linking_length: jax.Array, 
         d2 = dist2(points.pos[qi][:, None, :], points.pos[cj][:, None, :], space.box)[:, 0, 0]
         hit = live & (d2 <= ll2)
         at = jnp.where(hit, count + jnp.cumsum(hit.astype(jnp.int32)) - 1, edge_capacity)
-        first_out = first_out.at[at].set(qi, mode="drop")
-        second_out = second_out.at[at].set(cj, mode="drop")
+        first = state.first.at[at].set(qi, mode="drop")
+        second = state.second.at[at].set(cj, mode="drop")
         # Points of the window whose candidates all lie before `stop` (point ends are the next points' starts).
         done = jnp.sum(mine[1:] <= stop, dtype=jnp.int32)
-        return stop, p0 + done, first_out, second_out, count + jnp.sum(hit, dtype=jnp.int32), steps + 1
+        return _Search(stop, p0 + done, first, second, count + jnp.sum(hit, dtype=jnp.int32), state.steps + 1)
 
-    init = tuple(vary_like(x, points.pos) for x in (jnp.int32(0), jnp.int32(0),
-                                                     jnp.full((edge_capacity,), -1, jnp.int32),
-                                                     jnp.full((edge_capacity,), -1, jnp.int32), jnp.int32(0),
-                                                     jnp.int32(0)))
-    _, _, first_out, second_out, count, steps = lax.while_loop(cond, step, init)
-    return Links(first_out, second_out, jnp.where(too_many, jnp.iinfo(jnp.int32).max, count), steps)
+    no_edges = jnp.full((edge_capacity,), -1, jnp.int32)
+    init = vary_like(_Search(jnp.int32(0), jnp.int32(0), no_edges, no_edges, jnp.int32(0), jnp.int32(0)), points.pos)
+    found = lax.while_loop(cond, step, init)
+    return Links(found.first, found.second, jnp.where(too_many, jnp.iinfo(jnp.int32).max, found.count),
+                 found.steps)
+
+
+class _Hooks(NamedTuple):
+    """Carry of a hooking pass: the parents, and whether an edge still joined two roots."""
+
+    parent: jax.Array
+    changed: jax.Array
+
+
+class _Sweep(NamedTuple):
+    """Carry of the hook-and-compress passes: the parents, whether the last pass hooked anything, and the steps
+    ``(3,)`` (passes, hooking steps, pointer-jumping steps)."""
+
+    parent: jax.Array
+    changed: jax.Array
+    steps: jax.Array
 
 
 def components(links: Links, n: int, chunk: int = DEFAULT_TUNING.edge_chunk) -> tuple[jax.Array, jax.Array]:
@@ -449,8 +484,8 @@ def components(links: Links, n: int, chunk: int = DEFAULT_TUNING.edge_chunk) -> 
         return lax.while_loop(lambda s: jnp.any(s[0][s[0]] != s[0]), lambda s: (s[0][s[0]], s[1] + 1),
                               (parent, vary_like(jnp.int32(0), parent)))
 
-    def hook(c: jax.Array, state: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        parent, changed = state
+    def hook(c: jax.Array, state: _Hooks) -> _Hooks:
+        parent = state.parent
         at = jnp.minimum(c * chunk, capacity - chunk)
         a = lax.dynamic_slice(links.first, (at,), (chunk,))
         b = lax.dynamic_slice(links.second, (at,), (chunk,))
@@ -459,15 +494,14 @@ def components(links: Links, n: int, chunk: int = DEFAULT_TUNING.edge_chunk) -> 
         pa, pb = parent[a], parent[b]
         differ = pa != pb
         parent = parent.at[jnp.where(differ, jnp.maximum(pa, pb), n)].min(jnp.minimum(pa, pb), mode="drop")
-        return parent, changed | jnp.any(differ)
+        return _Hooks(parent, state.changed | jnp.any(differ))
 
-    def sweep(state: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
-        parent, _, steps = state
-        parent, changed = lax.fori_loop(0, num_chunks, hook, (parent, vary_like(jnp.zeros((), bool), parent)))
-        parent, jumps = compress(parent)
-        return parent, changed, steps + jnp.stack([jnp.int32(1), num_chunks, jumps])
+    def sweep(state: _Sweep) -> _Sweep:
+        hooked = lax.fori_loop(0, num_chunks, hook, _Hooks(state.parent, vary_like(jnp.zeros((), bool), state.parent)))
+        parent, jumps = compress(hooked.parent)
+        return _Sweep(parent, hooked.changed, state.steps + jnp.stack([jnp.int32(1), num_chunks, jumps]))
 
     parent = vary_like(jnp.arange(n, dtype=jnp.int32), links.first)
-    init = (parent, vary_like(jnp.ones((), bool), parent), vary_like(jnp.zeros((3,), jnp.int32), parent))
-    parent, _, steps = lax.while_loop(lambda s: s[1], sweep, init)
-    return parent, steps
+    init = _Sweep(parent, vary_like(jnp.ones((), bool), parent), vary_like(jnp.zeros((3,), jnp.int32), parent))
+    done = lax.while_loop(lambda s: s.changed, sweep, init)
+    return done.parent, done.steps
