@@ -147,7 +147,7 @@ def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_s
             2D process grid of the factorisation, the mesh's devices in row-major order (whatever the mesh's
             shape). See docs/linalg.md for when it pays.
         tuning: the default block sizes when ``tile`` is not given: ``None`` for the backend's preset
-            (``SHARDAX_TUNING`` overrides), ``"cpu"``, ``"gpu"`` or a :class:`LinalgTuning`.
+            (``SHARDAX_TUNING`` overrides), ``"cpu"``, ``"gpu"`` or a ``LinalgTuning``.
 
     Returns:
         ``x`` (``b``'s shape and sharding), then ``logdet`` if asked, then ``status`` if asked (jaxmg's order).
@@ -189,15 +189,15 @@ def potrf(a: Any, *, tile: int | None = None, mesh: Mesh | None = None, return_s
     """Lower Cholesky factor ``L`` (``a = L L^H``) of a Hermitian positive definite ``a``, distributed.
 
     Blocked left-looking factorisation on a 1D block-cyclic column layout, or a 2D process grid with ``grid`` (see
-    :func:`potrs`); only the lower triangle of ``a`` is read.
+    ``potrs``); only the lower triangle of ``a`` is read.
 
     Args:
         a: `(N, N)` Hermitian positive definite, sharded by rows, columns or both over any mesh.
-        tile: block size (default as for :func:`potrs`).
-        mesh: as in :func:`potrs`.
+        tile: block size (default as for ``potrs``).
+        mesh: as in ``potrs``.
         return_status: also return the LAPACK ``info`` (``L`` is all NaN when it is positive).
-        grid: as in :func:`potrs`.
-        tuning: as in :func:`potrs`.
+        grid: as in ``potrs``.
+        tuning: as in ``potrs``.
 
     Returns:
         `L: (N, N)` lower triangular with ``a``'s sharding, then ``status`` if asked.
@@ -221,11 +221,11 @@ def potri(a: Any, *, tile: int | None = None, mesh: Mesh | None = None, return_s
 
     Args:
         a: `(N, N)` Hermitian positive definite, sharded by rows, columns or both over any mesh.
-        tile: block size (default as for :func:`potrs`).
-        mesh: as in :func:`potrs`.
+        tile: block size (default as for ``potrs``).
+        mesh: as in ``potrs``.
         return_status: also return the LAPACK ``info`` (the inverse is all NaN when it is positive).
-        grid: as in :func:`potrs`: the factorisation's process grid (the inverse is formed on the 1D columns).
-        tuning: as in :func:`potrs`.
+        grid: as in ``potrs``: the factorisation's process grid (the inverse is formed on the 1D columns).
+        tuning: as in ``potrs``.
 
     Returns:
         `(N, N)` the inverse with ``a``'s sharding, then ``status`` if asked.
@@ -359,7 +359,7 @@ def syevd(a: Any, *, tile: int | None = None, mesh: Mesh | None = None, return_e
     below ``eps sqrt(N) ||A||_F``. On one device either is a single local ``eigh``. Only the lower triangle of ``a``
     is read.
 
-    The options are those of :func:`potrf` except ``grid``: the reduction is written for the 1D block-cyclic
+    The options are those of ``potrf`` except ``grid``: the reduction is written for the 1D block-cyclic
     columns (every device holds whole columns, so ``y = A v`` is one product and one all-reduce per column); it has
     no 2D process-grid form.
 
@@ -370,14 +370,14 @@ def syevd(a: Any, *, tile: int | None = None, mesh: Mesh | None = None, return_e
             per device). Larger panels make the trailing updates larger products and the per-column panel updates
             longer. Used by the default method on several devices; validated and ignored by ``method="jacobi"``
             (whose blocks are ``N / (2P)`` columns, two per device) and on one device (LAPACK's ``eigh``).
-        mesh: as in :func:`potrs`.
+        mesh: as in ``potrs``.
         return_eigenvectors: also return the eigenvectors.
         return_status: also return the status: 0, or 1 (outputs then NaN) when the lower triangle of ``a`` has a
             non-finite entry or, with ``method="jacobi"``, Jacobi did not converge in ``max_sweeps`` sweeps (as
             LAPACK's ``info > 0``).
-        tuning: the default ``tile`` when it is not given (:class:`LinalgTuning`'s ``reduction_tile``): ``None``
+        tuning: the default ``tile`` when it is not given (``LinalgTuning``'s ``reduction_tile``): ``None``
             for the backend's preset (``SHARDAX_TUNING`` overrides), ``"cpu"``, ``"gpu"`` or a
-            :class:`LinalgTuning`.
+            ``LinalgTuning``.
         max_sweeps: the most Jacobi sweeps (``method="jacobi"`` only; validated and ignored otherwise).
         method: ``"tridiagonal"`` (default) or ``"jacobi"``.
 

@@ -97,7 +97,7 @@ def check_flag(value: Any, name: str) -> bool:
 
 
 def resolve_mesh(mesh: Mesh | None, a: Any) -> Mesh:
-    """``mesh``, else the mesh ``a`` is sharded on, else the context mesh or :func:`shardax.flat_mesh`."""
+    """``mesh``, else the mesh ``a`` is sharded on, else the context mesh or ``shardax.flat_mesh``."""
     if mesh is not None:
         return default_mesh(mesh)
     sharding = None if isinstance(a, Tracer) else getattr(a, "sharding", None)
@@ -116,7 +116,7 @@ def computing_mesh(mesh: Mesh) -> Mesh:
 
 def explicit_avals(*xs: Any) -> bool:
     """Whether any of ``xs`` is a tracer typed on a mesh with explicit axes (inside ``jit`` under a ``jax.set_mesh``
-    context of such a mesh): the call then runs under ``jax.sharding.auto_axes`` (see :func:`under_auto_axes`)."""
+    context of such a mesh): the call then runs under ``jax.sharding.auto_axes`` (see ``under_auto_axes``)."""
     for x in xs:
         if isinstance(x, Tracer):
             mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
@@ -151,7 +151,7 @@ def computing_on(mesh: Mesh, user_mesh: Mesh) -> Iterator[None]:
 
 def onto(x: Any, mesh: Mesh) -> Any:
     """``x`` laid out the same way on ``mesh`` when it lives on another mesh over the same devices and axes (its
-    explicit-axes twin, see :func:`computing_mesh`); otherwise ``x`` unchanged."""
+    explicit-axes twin, see ``computing_mesh``); otherwise ``x`` unchanged."""
     sharding = None if isinstance(x, Tracer) else getattr(x, "sharding", None)
     if not isinstance(sharding, NamedSharding) or sharding.mesh == mesh:
         return x
@@ -163,7 +163,7 @@ def onto(x: Any, mesh: Mesh) -> Any:
 
 def enter(x: Any, user_mesh: Mesh, mesh: Mesh) -> tuple[Any, NamedSharding | None, NamedSharding | None]:
     """``(x on mesh, its sharding there, the sharding results go back in)`` for the computing ``mesh`` of
-    ``user_mesh`` (:func:`computing_mesh`): the way back is ``x``'s own sharding on ``user_mesh`` when it has one (one
+    ``user_mesh`` (``computing_mesh``): the way back is ``x``'s own sharding on ``user_mesh`` when it has one (one
     move from the computing mesh), else its sharding on ``mesh``; ``None`` for an array on neither."""
     back = user_sharding(x, user_mesh)
     x = onto(x, mesh)

@@ -11,7 +11,7 @@ product per device.
 block ``(i // rows, j // cols)``. Each device holds ``padded / rows`` rows and ``padded / cols`` columns; a
 factorisation step broadcasts along process columns and reduces along process rows, ``N^2 (1/rows + 1/cols) / 2``
 words per device in all instead of the 1D layout's ``N^2 / 2``. The kernels take and return the 1D layout;
-:func:`to_grid_local` and :func:`to_columns_local` move a matrix to the grid and back in the local view (one
+``to_grid_local`` and ``to_columns_local`` move a matrix to the grid and back in the local view (one
 all-to-all along the process columns each). XLA's global-view redistribution straight to the 2D blocks was no
 faster (it gathers the whole matrix on every device first), and this keeps the solves and the VJP on the 1D columns.
 """
@@ -41,7 +41,7 @@ class LinalgTuning:
     a larger share. Every block is one sequential step of a ``fori_loop``: on a GPU each step costs its launches
     whatever it holds, so the GPU preset takes blocks twice as large (half the steps).
 
-    :func:`shardax.linalg.syevd` reduces the matrix to tridiagonal form one column at a time whatever the block
+    ``shardax.linalg.syevd`` reduces the matrix to tridiagonal form one column at a time whatever the block
     size (one all-reduce per column), so its block, ``reduction_tile``, only sets the panel width of the
     reflectors: 32, LAPACK's ``sytrd`` choice, on every backend.
 
@@ -75,7 +75,7 @@ PRESETS = {"cpu": LinalgTuning(), "gpu": LinalgTuning(tile=512, min_tile=128, mi
 
 
 def linalg_tuning(tuning: LinalgTuning | str | None = None, devices: Any = None) -> LinalgTuning:
-    """The :class:`LinalgTuning` a call runs with: ``tuning`` itself, a named preset, or the preset of ``devices``'s
+    """The ``LinalgTuning`` a call runs with: ``tuning`` itself, a named preset, or the preset of ``devices``'s
     backend for ``None``."""
     return resolve_tuning(tuning, PRESETS, LinalgTuning, "linalg", devices)
 
@@ -111,7 +111,7 @@ class BlockCyclic:
     @classmethod
     def create(cls, n: int, tile: int | None, nproc: int, rows: int = 1,
                tuning: LinalgTuning | str | None = None, devices: Any = None) -> BlockCyclic:
-        """The layout for a requested ``tile`` (``None``: :func:`default_tile` of ``tuning``) on a
+        """The layout for a requested ``tile`` (``None``: ``default_tile`` of ``tuning``) on a
         ``rows x (nproc / rows)`` process grid; ``devices``: those it runs on (they choose the preset)."""
         if rows < 1 or nproc % rows:
             raise ValueError(f"{rows} process rows do not divide {nproc} devices")
@@ -151,7 +151,7 @@ class BlockCyclic:
 def to_cyclic(a: jax.Array, layout: BlockCyclic) -> jax.Array:
     """Pad ``a: (n, n)`` with the identity to ``(padded, padded)`` and reorder its columns so that device ``r``'s
     contiguous share of columns (``P(None, axes)``) holds the blocks ``r, r + nproc, r + 2 nproc, ...`` (the 1D
-    layout, also for a 2D ``layout``: the kernels move to the grid and back inside, see :func:`to_grid_local`)."""
+    layout, also for a 2D ``layout``: the kernels move to the grid and back inside, see ``to_grid_local``)."""
     pad = layout.padded - layout.n
     a = jnp.pad(a, ((0, pad), (0, pad)))
     if pad:
@@ -168,7 +168,7 @@ def _deal(a: jax.Array, parts: int, tile: int, *, back: bool = False) -> jax.Arr
 
 
 def from_cyclic(a: jax.Array, layout: BlockCyclic) -> jax.Array:
-    """Inverse of :func:`to_cyclic` for a ``(padded, padded)`` matrix: natural column order, padding removed."""
+    """Inverse of ``to_cyclic`` for a ``(padded, padded)`` matrix: natural column order, padding removed."""
     return _deal(a, layout.nproc, layout.tile, back=True)[: layout.n, : layout.n]
 
 
@@ -178,7 +178,7 @@ def global_columns(rank: jax.Array | int, layout: BlockCyclic) -> jax.Array:
     return (local // layout.tile * layout.nproc + rank) * layout.tile + local % layout.tile
 
 
-# Axis names of the process grid (:func:`grid_mesh`).
+# Axis names of the process grid (``grid_mesh``).
 ROW, COL = "_sx_grid_row", "_sx_grid_col"
 
 
@@ -198,7 +198,7 @@ def grid_mesh(mesh: Mesh, layout: BlockCyclic) -> Mesh:
 
 def to_columns_local(x: jax.Array, layout: BlockCyclic) -> jax.Array:
     """This device's 1D local columns ``(padded, width)`` of the matrix whose 2D local blocks are ``x: (padded /
-    rows, padded / cols)`` (inside a map over :func:`grid_mesh`; ``x`` itself for a 1D layout).
+    rows, padded / cols)`` (inside a map over ``grid_mesh``; ``x`` itself for a 1D layout).
 
     Device ``(p, q)`` is rank ``p cols + q`` of the 1D layout, whose column blocks ``m nproc + p cols + q`` are its
     local column blocks ``m rows + p`` in the 2D layout, held by every device of its process column: one
@@ -215,7 +215,7 @@ def to_columns_local(x: jax.Array, layout: BlockCyclic) -> jax.Array:
 
 
 def to_grid_local(x: jax.Array, layout: BlockCyclic) -> jax.Array:
-    """Inverse of :func:`to_columns_local`: the 2D local blocks from the 1D local columns ``x: (padded, width)``."""
+    """Inverse of ``to_columns_local``: the 2D local blocks from the 1D local columns ``x: (padded, width)``."""
     if layout.rows == 1:
         return x
     r, t = layout.rows, layout.tile

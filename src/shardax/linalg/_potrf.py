@@ -84,7 +84,7 @@ def diagonal_factor(d: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def triangular_inverse(lower: jax.Array) -> jax.Array:
     """``L^{-1}`` of the lower triangular ``lower: (n, n)`` by recursive halving, matrix products only (no LAPACK
-    call inside a loop on XLA:CPU, see :func:`diagonal_factor`): ``[[A, 0], [B, C]]^{-1} = [[A^{-1}, 0],
+    call inside a loop on XLA:CPU, see ``diagonal_factor``): ``[[A, 0], [B, C]]^{-1} = [[A^{-1}, 0],
     [-C^{-1} B A^{-1}, C^{-1}]]``, with leaves of at most ``LEAF`` rows solved by forward substitution."""
     n = lower.shape[0]
     if n <= LEAF:
@@ -98,8 +98,8 @@ def triangular_inverse(lower: jax.Array) -> jax.Array:
 
 def solve_diagonal(diag: jax.Array, rhs: jax.Array, *, adjoint: bool = False) -> jax.Array:
     """``L^{-1} rhs`` (``L^{-H} rhs`` if ``adjoint``) for the lower triangular diagonal block ``diag: (t, t)`` and
-    ``rhs: (t, m)``: the solver library's triangular solve where :func:`solver_library` says so, else a product with
-    :func:`triangular_inverse`."""
+    ``rhs: (t, m)``: the solver library's triangular solve where ``solver_library`` says so, else a product with
+    ``triangular_inverse``."""
     if solver_library():
         return lax.linalg.triangular_solve(diag, rhs, left_side=True, lower=True, transpose_a=adjoint,
                                            conjugate_a=adjoint)
@@ -155,7 +155,7 @@ def potrf_local(a: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.Array
 
     With a 2D layout (``layout.rows > 1``, inside a map over ``grid_mesh``) the columns move to the process grid
     (``to_grid_local``), the same steps run there with the communication split along the grid (see
-    :func:`_left_looking`) and the factor comes back to the 1D columns (an all-to-all down the process columns each
+    ``_left_looking``) and the factor comes back to the 1D columns (an all-to-all down the process columns each
     way).
 
     Args:
@@ -210,7 +210,7 @@ def _left_looking(a: jax.Array, layout: BlockCyclic) -> tuple[jax.Array, jax.Arr
     factor during it (``live``, carried by the loop; unfactored ones are zero).
 
     Returns:
-        ``(l, info)`` as :func:`potrf_local`, ``l`` in the layout of ``a``.
+        ``(l, info)`` as ``potrf_local``, ``l`` in the layout of ``a``.
     """
     pr, pc, t = layout.rows, layout.cols, layout.tile
     grid = pr > 1

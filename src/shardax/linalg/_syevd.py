@@ -63,7 +63,7 @@ CLUSTER_GAP = {"float32": 5e-2, "float64": 1e-5}
 
 def tridiagonal_layout(n: int, size: int, tile: int | None = None) -> BlockCyclic:
     """The block-cyclic layout of the reduction for an ``(n, n)`` matrix over ``size`` devices, with ``tile``
-    columns per block and reflector panel (default :class:`LinalgTuning`'s ``reduction_tile``; reduced for small
+    columns per block and reflector panel (default ``LinalgTuning``'s ``reduction_tile``; reduced for small
     ``n`` as the factorisations' tile is)."""
     return BlockCyclic.create(n, LinalgTuning().reduction_tile if tile is None else tile, size)
 
@@ -74,7 +74,7 @@ def tridiagonal_eigh_local(a: jax.Array, layout: BlockCyclic, vectors: bool
 
     Args:
         a: `(npad, width)` this device's columns (full Hermitian columns, both triangles; ``npad = layout.padded``).
-        layout: the block-cyclic layout (:func:`tridiagonal_layout`).
+        layout: the block-cyclic layout (``tridiagonal_layout``).
         vectors: also compute the eigenvectors.
 
     Returns:

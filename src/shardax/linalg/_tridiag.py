@@ -1,11 +1,11 @@
 """Building blocks of the tridiagonal Hermitian eigensolver, in the local view (see ``_syevd`` for the algorithm).
 
-* :func:`tridiagonalize_local`: blocked Householder reduction ``Q^H A Q = T`` on the block-cyclic column layout
+* ``tridiagonalize_local``: blocked Householder reduction ``Q^H A Q = T`` on the block-cyclic column layout
   (LAPACK ``sytrd``/``latrd`` with one all-reduce per column and one per panel).
-* :func:`bisect_eigenvalues`: eigenvalues of the unreduced blocks of ``T`` by Sturm-count multisection.
-* :func:`inverse_iteration`: eigenvectors of ``T`` for a range of eigenvalue slots (LAPACK ``stein``: partial-pivoting
+* ``bisect_eigenvalues``: eigenvalues of the unreduced blocks of ``T`` by Sturm-count multisection.
+* ``inverse_iteration``: eigenvectors of ``T`` for a range of eigenvalue slots (LAPACK ``stein``: partial-pivoting
   tridiagonal LU, pivot perturbation, reorthogonalisation inside clusters of close eigenvalues).
-* :func:`back_transform_local`: ``Q Z`` by the compact-WY panels of the reduction.
+* ``back_transform_local``: ``Q Z`` by the compact-WY panels of the reduction.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def back_transform_local(z: jax.Array, v_all: jax.Array, wy: jax.Array, layout: 
 
     Args:
         z: `(npad, m)` this device's eigenvectors of ``T``.
-        v_all: `(npad, npad)` the reflectors from :func:`tridiagonalize_local`.
+        v_all: `(npad, npad)` the reflectors from ``tridiagonalize_local``.
         wy: `(blocks, t, t)` the panels' compact-WY factors.
         layout: the block-cyclic layout of the reduction.
 
@@ -208,7 +208,7 @@ def bisect_eigenvalues(d: jax.Array, e: jax.Array, start: jax.Array, stop: jax.A
     shifts per step, down to ``eps ||T||``.
 
     Args:
-        d, e: `(n,)` the split tridiagonal matrix; start, stop: `(n,)` its blocks (:func:`split_blocks`).
+        d, e: `(n,)` the split tridiagonal matrix; start, stop: `(n,)` its blocks (``split_blocks``).
         norm: Gershgorin bound of ``||T||``.
         slots: `(s,)` int32 slot indices.
 
@@ -292,7 +292,7 @@ def _factor(a: jax.Array, b: jax.Array) -> tuple[jax.Array, ...]:
 
 
 def _solve(factors: tuple[jax.Array, ...], r: jax.Array, tiny: jax.Array) -> jax.Array:
-    """Solve with :func:`_factor`'s LU; pivots below ``tiny`` are replaced by ``+-tiny`` (LAPACK ``lagts``)."""
+    """Solve with ``_factor``'s LU; pivots below ``tiny`` are replaced by ``+-tiny`` (LAPACK ``lagts``)."""
     u1, u2, u3, mult, piv = factors
     u1 = jnp.where(jnp.abs(u1) < tiny, jnp.where(u1 < 0, -tiny, tiny), u1)
     r_next = jnp.concatenate([r[1:], jnp.zeros_like(r[:1])])
@@ -349,7 +349,7 @@ def inverse_iteration(d: jax.Array, e: jax.Array, start: jax.Array, stop: jax.Ar
     the earlier members of their cluster.
 
     Args:
-        d, e, start, stop, norm: the split matrix (:func:`split_blocks`).
+        d, e, start, stop, norm: the split matrix (``split_blocks``).
         w: `(s,)` the slots' eigenvalues (ascending within each block).
         slots: `(s,)` int32 the slot indices (consecutive).
         cluster: `(s,)` int32 cluster labels (consecutive members, at most ``window`` before any slot that matters).
