@@ -5,6 +5,7 @@ Run everything (launches its own processes):
 
     python benchmarks/comm.py                # mpirun -n 2 at 1 and 4 devices/process, then alltoallv on 8 devices
     python benchmarks/comm.py --json out.json
+    python benchmarks/comm.py --local        # only alltoallv and exchange in this process (8 CPU devices, small)
 
 Each `mpirun -n 2` launch measures, side by side in the same two processes: an allreduce of 1e6 float32 per device
 through mpi4py, mpi4jax (if installed) and sx.comm over each transport (MPI, which sx.initialize() picks under
@@ -186,6 +187,41 @@ print("RESULT " + json.dumps(dict(alltoallv_ms=tv, all_to_all_ms=tt, ratio=tv / 
     return json.loads(line[0][7:])
 
 
+def local_bench(devices: int = 8, rows: int = 4096, width: int = 16, rounds: int = 8) -> dict[str, float]:
+    """Median ms of ``sx.comm.alltoallv`` (balanced and all-to-one counts, ``rows`` float32 rows of ``width`` per
+    device) and ``sx.comm.exchange`` (``rows`` particles with float32 positions and int32 ids to random ranks), in
+    this process on ``devices`` CPU devices (set before JAX starts). Small sizes: the rounds' fixed costs show."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", devices)
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import shardax as sx
+
+    mesh = sx.flat_mesh()
+    size = devices
+    rng = np.random.default_rng(0)
+    balanced = rng.multinomial(rows, [1 / size] * size, size=size).astype(np.int32)
+    skewed = np.zeros((size, size), np.int32)
+    skewed[:, 0] = rows // size
+    x = jnp.asarray(rng.standard_normal((size, rows, width)).astype(np.float32))
+    pos = jnp.asarray(rng.random((size, rows, 3)).astype(np.float32))
+    ids = jnp.asarray(np.arange(size * rows, dtype=np.int32).reshape(size, rows))
+    dest = jnp.asarray(rng.integers(0, size, (size, rows)).astype(np.int32))
+    cases = {}
+    for name, counts in (("balanced", balanced), ("all to rank 0", skewed)):
+        cap = int(counts.sum(0).max())
+        f = sx.smap(lambda x, c, cap=cap: sx.comm.alltoallv(x, c, capacity=cap)[0], in_specs=(P(sx.ALL), P(sx.ALL)),
+                    out_specs=P(sx.ALL), mesh=mesh, jit=True)
+        c = jnp.asarray(counts)
+        cases[f"alltoallv {name}"] = lambda f=f, c=c: f(x, c).block_until_ready()
+    g = sx.smap(lambda p, i, d: sx.comm.exchange({"pos": p, "ids": i}, d, num=rows, capacity=2 * rows)[0],
+                in_specs=(P(sx.ALL),) * 3, out_specs=P(sx.ALL), mesh=mesh, jit=True)
+    cases["exchange"] = lambda: jax.block_until_ready(g(pos, ids, dest))
+    return _interleaved_ms(cases, rounds=rounds)
+
+
 def run_allreduce(cpu_devices: int) -> dict:
     mpirun = shutil.which("mpirun")
     if mpirun is None:
@@ -205,9 +241,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "Collective benchmarks").splitlines()[0])
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--json", help="write the results to this file")
+    parser.add_argument("--local", action="store_true",
+                        help="only alltoallv and exchange in this process on 8 CPU devices, at small sizes")
+    parser.add_argument("--rows", type=int, default=4096, help="rows per device of --local (default 4096)")
     args = parser.parse_args()
     if args.worker is not None:
         allreduce_worker(args.worker)
+        return
+    if args.local:
+        ms = local_bench(rows=args.rows)
+        print(f"8 CPU devices, {args.rows} rows per device (median ms)")
+        for name, t in ms.items():
+            print(f"  {name:<28s} {t:8.3f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(ms, f, indent=2)
         return
     report: dict = {"allreduce": [], "alltoallv": None}
     for m in (1, 4):

@@ -156,7 +156,7 @@ def traffic_rows(counts: np.ndarray, n: int) -> np.ndarray:
     return rows
 
 
-def _alltoallv_case(mesh: Mesh, counts: np.ndarray, capacity: int, chunk: int | None = None) -> None:
+def _alltoallv_case(mesh: Mesh, counts: np.ndarray, capacity: int, chunk: int | tuple[int, ...] | None = None) -> None:
     """counts[s, d] rows from rank s to rank d; row values encode (source, destination, index)."""
     size = mesh.devices.size
     rows = traffic_rows(counts, int(max(counts.sum(1).max(), 1)))
@@ -191,6 +191,36 @@ def check_alltoallv(mesh: Mesh) -> None:
     _alltoallv_case(mesh, one, 3 * size, chunk=sx.comm.chunk_ladder(3 * size))
     _alltoallv_case(mesh, one, max(3 * size - 2, 1))      # overflow on rank 0 only
     _alltoallv_case(mesh, np.zeros((size, size), np.int64), 4)
+    _grouped_case(mesh)
+
+
+def _grouped_case(mesh: Mesh, n: int = 11) -> None:
+    """A send buffer built by ``group_by_rank`` (rows with key ``size`` stay), its counts checked against
+    ``count_by_rank`` and NumPy, then sent: every rank receives its rows grouped by source, in row order."""
+    size = mesh.devices.size
+    rng = np.random.default_rng(12)
+    keys = rng.integers(0, size + 1, (size, n)).astype(np.int32)      # size: the row is not sent
+    rows = (np.arange(size)[:, None] * 100 + np.arange(n)[None, :]).astype(np.int32)
+    capacity = size * n
+
+    def f(key, x):
+        perm, counts = sx.comm.group_by_rank(key, size)
+        host_perm, host_counts = sx.comm.group_by_rank(key, size, host=True)
+        data, recv, _ = sx.comm.alltoallv(x[perm], counts, capacity=capacity)
+        return perm, counts, host_perm, host_counts, sx.comm.count_by_rank(key, size), data, recv
+
+    perm, counts, host_perm, host_counts, counted, data, recv = (to_numpy(o) for o in run(mesh, f, keys, rows))
+    for r in range(size):
+        np.testing.assert_array_equal(perm[r], np.argsort(keys[r], kind="stable"), err_msg=f"perm on rank {r}")
+        ref = np.bincount(keys[r], minlength=size + 1)[:size]
+        for name, got in (("group_by_rank", counts), ("group_by_rank(host=True)", host_counts),
+                          ("count_by_rank", counted)):
+            np.testing.assert_array_equal(got[r], ref, err_msg=f"{name} counts on rank {r}")
+        np.testing.assert_array_equal(host_perm[r], perm[r])
+        expected = [rows[s, i] for s in range(size) for i in range(n) if keys[s, i] == r]
+        np.testing.assert_array_equal(recv[r], [(keys[s] == r).sum() for s in range(size)])
+        np.testing.assert_array_equal(data[r, :len(expected)], expected)
+        np.testing.assert_array_equal(data[r, len(expected):], 0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,6 +37,32 @@ def test_identity_outside_smap():
     assert int(num) == 2 and bool(overflow) and tree["pos"].shape == (2, 3)
 
 
+def test_group_and_count_by_rank_one_device():
+    """Outside smap (one device): against NumPy, with keys outside [0, size) (count_by_rank skips them) and the
+    compare-and-sort paths of count_by_rank beyond COMPARE_RANKS ranks."""
+    rng = np.random.default_rng(3)
+    for size, n in ((1, 7), (3, 50), (40, 300)):
+        key = rng.integers(0, size + 1, n).astype(np.int32)
+        perm, counts = sx.comm.group_by_rank(jnp.asarray(key), size)
+        np.testing.assert_array_equal(perm, np.argsort(key, kind="stable"))
+        np.testing.assert_array_equal(counts, np.bincount(key, minlength=size + 1)[:size])
+        wild = rng.integers(-3, size + 3, n)
+        np.testing.assert_array_equal(sx.comm.count_by_rank(jnp.asarray(wild), size),
+                                      np.bincount(wild[(wild >= 0) & (wild < size)], minlength=size))
+    assert sx.comm.group_by_rank(jnp.zeros((0,), jnp.int32), 2)[1].tolist() == [0, 0]
+
+
+def test_group_and_count_by_rank_bad_input():
+    for fn in (sx.comm.group_by_rank, sx.comm.count_by_rank):
+        with pytest.raises(ValueError, match=r"key must have shape \(n,\)"):
+            fn(jnp.zeros((2, 3), jnp.int32), 4)
+        with pytest.raises(TypeError, match="key must be an integer array of ranks"):
+            fn(jnp.zeros(3), 4)
+        for size in (0, 2.0, True):
+            with pytest.raises(ValueError, match="size must be a positive Python int"):
+                fn(jnp.zeros(3, jnp.int32), size)  # type: ignore[arg-type]
+
+
 def _in_mesh(f, mesh=None):
     mesh = mesh or make_mesh((4,))
     return sx.smap(f, in_specs=(), out_specs=P(), mesh=mesh)()

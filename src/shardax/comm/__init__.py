@@ -4,9 +4,9 @@
 one-rank world.
 """
 
-from ._alltoallv import ExchangeTuning as ExchangeTuning
+from .._exchange import ExchangeTuning as ExchangeTuning
+from .._exchange import chunk_ladder as chunk_ladder
 from ._alltoallv import alltoallv as alltoallv
-from ._alltoallv import chunk_ladder as chunk_ladder
 from ._alltoallv import exchange as exchange
 from ._collectives import allgather as allgather
 from ._collectives import allreduce as allreduce
@@ -19,7 +19,10 @@ from ._collectives import scan as scan
 from ._collectives import scatter as scatter
 from ._collectives import sendrecv as sendrecv
 from ._collectives import shift as shift
+from ._grouping import count_by_rank as count_by_rank
+from ._grouping import group_by_rank as group_by_rank
 from ._halo import halo_exchange as halo_exchange
 
-__all__ = ["ExchangeTuning", "allgather", "allreduce", "alltoall", "alltoallv", "barrier", "bcast", "chunk_ladder", "exchange", "gather",
-           "halo_exchange", "reduce", "scan", "scatter", "sendrecv", "shift"]
+__all__ = ["ExchangeTuning", "allgather", "allreduce", "alltoall", "alltoallv", "barrier", "bcast", "chunk_ladder",
+           "count_by_rank", "exchange", "gather", "group_by_rank", "halo_exchange", "reduce", "scan", "scatter",
+           "sendrecv", "shift"]

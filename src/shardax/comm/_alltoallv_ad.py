@@ -26,9 +26,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .._exchange import Chunk
 from ..core import vary_over, varying
 from . import _mpi_prim as mpi
-from ._alltoallv import Chunk, Impl, _exchange_counts_and_max, _inexact, alltoallv_raw
+from ._alltoallv import Impl, _exchange_counts_and_max, _inexact, alltoallv_raw
 
 
 class _Static(NamedTuple):

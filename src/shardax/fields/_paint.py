@@ -18,7 +18,7 @@ from .._bounds import check_bounds, check_part, mapped_checks
 from .._errors import CapacityError
 from .._pytree import check_count, check_positions, row_count
 from .._tuning import tuning_backend
-from ..comm._alltoallv import count_by_rank
+from ..comm import count_by_rank
 from ..core import ALL, default_mesh, rank_info, smap
 from ..particles import Particles
 from ._grid import Grid, _box3, _shape3, cell_index, default_spec, field_sharding
