@@ -75,8 +75,8 @@ def _kernel_cases(args: argparse.Namespace) -> dict[str, tuple[Callable[[], Any]
     from jax.sharding import PartitionSpec as P
 
     import shardax as sx
-    from shardax.linalg._core import solve_local
     from shardax.linalg._layout import BlockCyclic
+    from shardax.linalg._potrs import solve_local
 
     device = jax.devices()[0]
     mesh = Mesh(np.array([device]), ("d",))
