@@ -171,14 +171,14 @@ def test_device_anchors_match_the_cpu_ones() -> None:
     import jax
     from scipy.spatial import cKDTree  # pyright: ignore[reportAttributeAccessIssue]
 
-    from shardax.cli._bench_cases import brute_knn, jax_zsort, numpy_zsort
+    from shardax.cli._bench_cases import jax_brute_knn, jax_zsort, numpy_zsort
 
     pos = np.random.default_rng(0).random((3000, 3), dtype=np.float32)
     ids, mass = np.arange(3000, dtype=np.int32), np.ones(3000, np.float32)
     with jax.enable_x64(True):
         got = jax.jit(jax_zsort)(pos, ids, mass)
     np.testing.assert_array_equal(np.asarray(got[1]), numpy_zsort(pos, ids, mass)[1])
-    d2, idx = jax.jit(lambda p: brute_knn(p, 5))(pos)
+    d2, idx = jax.jit(lambda p: jax_brute_knn(p, 5))(pos)
     ref_d, ref_i = cKDTree(pos.astype(np.float64)).query(pos.astype(np.float64), k=5)
     np.testing.assert_allclose(np.sqrt(np.maximum(np.asarray(d2), 0)), ref_d, atol=1e-3)
     assert np.mean(np.asarray(idx) == ref_i) > 0.999

@@ -1,5 +1,5 @@
 """``shardax demo``: the default run end to end (2 processes x 4 CPU devices), failing checks giving failed rows and a
-non-zero exit, the references themselves (SciPy and the NumPy fallback), bad flags."""
+non-zero exit, the comparisons themselves, bad flags (the references are tested in test_testing.py)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,11 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy.sparse import coo_matrix
-from scipy.sparse.csgraph import connected_components
-from scipy.spatial import KDTree
 
 import shardax as sx
-from shardax.cli import _demo_reference as ref
+from shardax.cli import _demo_checks as check
 from shardax.cli import _demo_stages
 from shardax.cli._demo import run_cli
 from shardax.cli._demo_body import run_demo
@@ -109,55 +105,19 @@ def test_report_verdict_and_missing_capabilities(tmp_path) -> None:
     assert read_report(str(tmp_path / "absent.json")) is None
 
 
-def test_references_catch_wrong_answers() -> None:
+def test_checks_catch_wrong_answers() -> None:
     pos, _ = generate(3000, 1.0, 2)
-    order = ref.morton_order(pos, np.arange(3000), 1.0)
-    assert ref.exact("ids", order, order) == ""
-    assert "2 of 3000 values differ" in ref.exact("ids", order[[1, 0, *range(2, 3000)]], order)
+    order = sx.testing.reference.morton_order(pos, box=1.0, ids=np.arange(3000))
+    assert check.exact("ids", order, order) == ""
+    assert "2 of 3000 values differ" in check.exact("ids", order[[1, 0, *range(2, 3000)]], order)
     queries = np.arange(0, 3000, 97)
-    d, i = ref.brute_knn(pos, queries, 6, 1.0)
-    assert ref.knn_mismatch(d[:, :5], i[:, :5], d, i, np.float32) == ""
+    d, i = sx.testing.reference.brute_knn(pos, 6, queries=queries, box=1.0)
+    assert check.knn_mismatch(d[:, :5], i[:, :5], d, i, np.float32) == ""
     wrong = i[:, :5].copy()
     wrong[3, 2] = wrong[3, 3] + 1
-    assert "knn indices" in ref.knn_mismatch(d[:, :5], wrong, d, i, np.float32)
-    assert "knn distances" in ref.knn_mismatch(d[:, :5] * 1.001, i[:, :5], d, i, np.float32)
-    assert ref.below("residual", 1e-7, 1e-5) == "" and "residual" in ref.below("residual", float("nan"), 1e-5)
-
-
-def test_references_agree_with_scipy_and_shardax_kernels(monkeypatch) -> None:
-    pos, _ = generate(4000, 1.0, 3)
-    linking_length = 0.2 / 4000 ** (1 / 3)
-    with_scipy = ref.friend_pairs(pos, linking_length, 1.0)
-    monkeypatch.setitem(sys.modules, "scipy.spatial", None)  # the NumPy fallback
-    without = ref.friend_pairs(pos, linking_length, 1.0)
-    np.testing.assert_array_equal(without, np.unique(with_scipy, axis=0))
-    n = len(pos)
-    _, comp = connected_components(coo_matrix((np.ones(len(without)), tuple(without.T)), shape=(n, n)),
-                                   directed=False)
-    smallest = np.full(comp.max() + 1, n)
-    np.minimum.at(smallest, comp, np.arange(n))
-    np.testing.assert_array_equal(ref.component_labels(n, without), smallest[comp])
-
-    d, i = ref.brute_knn(pos, np.arange(0, n, 50), 8, 1.0)
-    want_d, _ = KDTree(np.mod(pos.astype(np.float64), 1.0), boxsize=1.0).query(pos[::50].astype(np.float64), 8)
-    np.testing.assert_allclose(d, want_d, rtol=1e-12)
-    assert np.all(i[:, 0] == np.arange(0, n, 50))
-
-    hi, lo = sx.particles.morton_keys(jnp.asarray(pos), box=1.0)
-    np.testing.assert_array_equal(ref.morton_order(pos, np.arange(n), 1.0),
-                                  np.lexsort((np.arange(n), np.asarray(lo), np.asarray(hi))))
-
-    shape = (16, 16, 16)
-    rho = ref.cic_paint(pos, np.ones(n), shape, 1.0)
-    assert abs(rho.sum() - n) < 1e-9 * n
-    part = sx.particles.Particles(jnp.asarray(pos), jnp.int32(n), mass=jnp.ones(n, jnp.float32))
-    sx.testing.assert_allclose(sx.fields.local_paint(part, shape, box=1.0)[0], rho, kind="linalg")
-    delta = (rho / rho.mean() - 1).astype(np.float32)
-    k, pk, modes = sx.fields.local_power_spectrum(jnp.asarray(delta), box=1.0, bins=6)
-    want_k, want_pk, want_modes = ref.power_spectrum(delta, 1.0, sx.fields.bin_edges(6, shape, 1.0))
-    np.testing.assert_array_equal(np.asarray(modes), want_modes)
-    sx.testing.assert_allclose(np.asarray(k), want_k)
-    sx.testing.assert_allclose(np.asarray(pk) / want_pk.max(), want_pk / want_pk.max(), dtype=np.float32, kind="fft")
+    assert "knn indices" in check.knn_mismatch(d[:, :5], wrong, d, i, np.float32)
+    assert "knn distances" in check.knn_mismatch(d[:, :5] * 1.001, i[:, :5], d, i, np.float32)
+    assert check.below("residual", 1e-7, 1e-5) == "" and "residual" in check.below("residual", float("nan"), 1e-5)
 
 
 def test_plots_are_skipped_without_matplotlib(tmp_path, monkeypatch) -> None:

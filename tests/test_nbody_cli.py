@@ -19,8 +19,7 @@ from conftest import make_mesh
 from shardax.cli._nbody import run_cli
 from shardax.cli._nbody_files import POWER_COLUMNS, RHO_CRIT, read_power_csv
 from shardax.cli._nbody_job import NbodyOptions, run_job
-from test_fields_reference import cic_numpy
-from test_fof_multiprocess import reference_labels
+from shardax.testing import reference
 
 # Small enough to compile and run quickly, big enough for a few dozen halos of 10 or more particles.
 OPTIONS = NbodyOptions(particles=32, box=128.0, steps=4, z_start=9.0, seed=3, min_members=10, plots=False)
@@ -131,28 +130,9 @@ def test_files_identical_whatever_the_layout(runs: dict[str, Path]) -> None:
 
 
 def _power_numpy(pos: np.ndarray, box: float, cells: int, edges: np.ndarray) -> tuple[np.ndarray, ...]:
-    """CIC-compensated, binned P(k) of particles: plain NumPy (half spectrum, conjugates counted, no zero mode)."""
-    rho = cic_numpy(pos.astype(np.float64), np.ones(len(pos)), (cells,) * 3, box)
-    return _power_numpy_field(rho / rho.mean() - 1, box, edges, compensate=True)
-
-
-def _power_numpy_field(delta: np.ndarray, box: float, edges: np.ndarray, *, compensate: bool = False
-                       ) -> tuple[np.ndarray, ...]:
-    cells = delta.shape[0]
-    freq = [np.fft.fftfreq(cells, box / cells)] * 2 + [np.fft.rfftfreq(cells, box / cells)]
-    kx, ky, kz = (2 * np.pi * f for f in np.meshgrid(*freq, indexing="ij"))
-    window = np.prod([np.sinc(c * box / cells / (2 * np.pi)) ** 2 for c in (kx, ky, kz)], axis=0) if compensate \
-        else 1.0
-    spectrum = np.abs(np.fft.rfftn(delta) / window) ** 2 * box**3 / cells**6
-    k = np.sqrt(kx**2 + ky**2 + kz**2)
-    j = np.arange(cells // 2 + 1)[None, None, :]
-    weight = np.broadcast_to(np.where((j > 0) & (2 * j != cells), 2, 1) * (k > 0), k.shape)
-    index = np.digitize(k, edges) - 1
-    ok = (index >= 0) & (index < len(edges) - 1) & (weight > 0)
-    modes = np.bincount(index[ok], weight[ok], len(edges) - 1)
-    pk = np.bincount(index[ok], (weight * spectrum)[ok], len(edges) - 1) / np.maximum(modes, 1)
-    kmean = np.bincount(index[ok], (weight * k)[ok], len(edges) - 1) / np.maximum(modes, 1)
-    return kmean, pk, modes.astype(np.int64)
+    """CIC-compensated, binned P(k) of particles, by the NumPy references."""
+    rho = reference.cic_paint(pos, (cells,) * 3, box=box)
+    return reference.power_spectrum(rho / rho.mean() - 1, box=box, edges=edges)
 
 
 def test_power_spectrum_csv(runs: dict[str, Path]) -> None:
@@ -179,7 +159,7 @@ def test_power_spectrum_csv(runs: dict[str, Path]) -> None:
     noise = sx.nbody.white_noise(OPTIONS.particles, seed=OPTIONS.seed, mesh=make_mesh((1,)))
     field = np.asarray(sx.nbody.linear_field(noise, box=OPTIONS.box, cosmo=sx.nbody.Cosmology(),
                                              mesh=make_mesh((1,))), np.float64)
-    _, initial, _ = _power_numpy_field(field, OPTIONS.box, edges)
+    _, initial, _ = reference.power_spectrum(field, box=OPTIONS.box, edges=edges, compensate=False)
     np.testing.assert_allclose(got[POWER_COLUMNS[4]], initial, rtol=1e-3)
 
 
@@ -187,7 +167,8 @@ def test_halo_catalogue_matches_scipy(runs: dict[str, Path]) -> None:
     n, box = OPTIONS.particles, OPTIONS.box
     _, _, data = _snapshot(runs["processes_2x4"])
     header, table = _halos(runs["processes_2x4"])
-    labels = reference_labels(data["Coordinates"], OPTIONS.linking_length * box / n, box, OPTIONS.min_members)
+    labels = reference.fof_labels(data["Coordinates"], OPTIONS.linking_length * box / n, box=box,
+                                  min_members=OPTIONS.min_members)
     groups, sizes = np.unique(labels[labels >= 0], return_counts=True)
     assert len(groups) >= 5
     assert int(header["Ngroups_Total"]) == len(groups)

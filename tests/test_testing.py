@@ -241,3 +241,173 @@ def test_importing_testing_starts_no_backend() -> None:
             "assert before == [getattr(jax.config, k) for k in keys], 'config changed'; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# shardax.testing.reference: each reference against an independent computation (SciPy, a loop, a shardax kernel on
+# one device) and on inputs chosen to break it (periodic wrap, ties, open boundaries, empty bins).
+
+ref = sx.testing.reference
+
+
+def _clustered(n: int, dim: int, seed: int) -> np.ndarray:
+    """Points in [0, 1): half in a few tight clumps (some across the periodic edge), half uniform."""
+    rng = np.random.default_rng(seed)
+    centres = np.concatenate([rng.random((4, dim)), np.full((1, dim), 0.995)])
+    clumps = centres[rng.integers(0, len(centres), n // 2)] + 0.01 * rng.standard_normal((n // 2, dim))
+    return np.mod(np.concatenate([clumps, rng.random((n - n // 2, dim))]), 1.0)
+
+
+def _brute_pairs(pos: np.ndarray, radius: float, box: float | None) -> np.ndarray:
+    delta = ref.minimum_image(pos[:, None, :] - pos[None, :, :], box)
+    i, j = np.nonzero(np.triu(np.sum(delta**2, axis=-1) <= radius**2, k=1))
+    return np.stack([i, j], axis=1)
+
+
+@pytest.mark.parametrize("dim,box", [(3, 1.0), (2, 1.0), (3, None), (2, None)], ids=["3d", "2d", "3d-open", "2d-open"])
+def test_reference_friend_pairs_and_labels(dim: int, box: float | None, monkeypatch) -> None:
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    pos = _clustered(1500, dim, seed=dim)
+    radius = 0.6 / 1500 ** (1 / dim)
+    want = _brute_pairs(pos, radius, box)
+    assert len(want) > 100
+    np.testing.assert_array_equal(ref.friend_pairs(pos, radius, box=box), want)  # SciPy's cKDTree
+    labels = ref.fof_labels(pos, radius, box=box, min_members=5)
+    components = ref.fof_components(pos, radius, box=box)
+    monkeypatch.setitem(sys.modules, "scipy.spatial", None)  # the NumPy cell grid
+    np.testing.assert_array_equal(ref.friend_pairs(pos, radius, box=box), want)
+    np.testing.assert_array_equal(ref.fof_labels(pos, radius, box=box, min_members=5), labels)
+    # Labels: smallest member of each connected component, -1 below min_members.
+    n = len(pos)
+    _, comp = connected_components(coo_matrix((np.ones(len(want)), tuple(want.T)), shape=(n, n)), directed=False)
+    smallest = np.full(comp.max() + 1, n)
+    np.minimum.at(smallest, comp, np.arange(n))
+    np.testing.assert_array_equal(ref.component_labels(n, want), smallest[comp])
+    sizes = np.bincount(comp)[comp]
+    np.testing.assert_array_equal(labels, np.where(sizes >= 5, smallest[comp], -1))
+    assert (labels >= 0).sum() > 100 and (labels == -1).sum() > 100
+    # fof_components: the same partition, numbered SciPy's way.
+    np.testing.assert_array_equal(smallest[components], smallest[comp])
+
+
+def test_reference_fof_catalogue_against_a_loop() -> None:
+    rng = np.random.default_rng(3)
+    pos = _clustered(2000, 3, seed=3)
+    mass, vel = rng.uniform(0.5, 2.0, 2000), rng.standard_normal((2000, 3))
+    labels = ref.fof_labels(pos, 0.01, box=1.0, min_members=4)
+    cat = ref.fof_catalogue(pos, labels, mass=mass, vel=vel, box=1.0)
+    groups = np.unique(labels[labels >= 0])
+    np.testing.assert_array_equal(cat["label"], groups)
+    assert len(groups) >= 5 and cat["com"].shape == (len(groups), 3) and not cat["spanning"].any()
+    straddles = False
+    for g, label in enumerate(groups):
+        idx = np.flatnonzero(labels == label)
+        d = pos[idx] - pos[label]
+        d -= np.round(d)
+        straddles |= bool(np.ptp(pos[idx], axis=0).max() > 0.5)  # some group crosses the periodic edge
+        m = mass[idx]
+        com = pos[label] + (m[:, None] * d).sum(0) / m.sum()
+        assert cat["count"][g] == len(idx)
+        np.testing.assert_allclose(cat["mass"][g], m.sum(), rtol=1e-12)
+        np.testing.assert_allclose(cat["com"][g], com % 1.0, rtol=1e-12)
+        np.testing.assert_allclose(cat["vel"][g], (m[:, None] * vel[idx]).sum(0) / m.sum(), rtol=1e-12)
+        spread = ref.minimum_image(pos[idx] - com, 1.0)
+        np.testing.assert_allclose(cat["radius"][g], np.sqrt((m * (spread**2).sum(1)).sum() / m.sum()), rtol=1e-9)
+    assert straddles
+    # Open boundaries, default masses; a group wider than half a periodic box is flagged.
+    line = np.stack([np.linspace(0.0, 0.9, 10), np.zeros(10)], axis=1)
+    cat = ref.fof_catalogue(line, np.zeros(10, np.int64))
+    np.testing.assert_allclose(cat["com"], [[0.45, 0.0]])
+    assert cat["mass"].tolist() == [10.0] and cat["vel"].tolist() == [[0.0, 0.0]]
+    assert ref.fof_catalogue(line * 2, np.zeros(10, np.int64), box=2.0)["spanning"].tolist() == [True]
+    empty = ref.fof_catalogue(line, np.full(10, -1))
+    assert empty["com"].shape == (0, 2) and empty["count"].shape == (0,)
+
+
+def test_reference_brute_knn() -> None:
+    from scipy.spatial import KDTree
+
+    pos = _clustered(3000, 3, seed=5)
+    queries = np.arange(0, 3000, 37)
+    for box in (1.0, None):
+        d, i = ref.brute_knn(pos, 8, queries=queries, box=box)
+        want_d, want_i = KDTree(pos, boxsize=box).query(pos[queries], 8)
+        np.testing.assert_allclose(d, want_d, rtol=1e-12)
+        assert np.all(i[:, 0] == queries) and np.mean(i == want_i) > 0.99
+    # Equal distances come by row index; the whole set when no queries are given.
+    grid = np.stack(np.meshgrid(*[np.arange(4) / 4] * 2, indexing="ij"), -1).reshape(-1, 2)
+    d, i = ref.brute_knn(grid, 5, box=1.0)
+    assert d.shape == (16, 5) and i[0].tolist() == [0, 1, 3, 4, 12]
+    np.testing.assert_allclose(d[:, 1:], 0.25)
+    with pytest.raises(ValueError, match=r"k must be an int in \[1, 16\]"):
+        ref.brute_knn(grid, 17)
+    with pytest.raises(ValueError, match="pos must be a"):
+        ref.brute_knn(np.zeros(5), 1)
+
+
+@pytest.mark.parametrize("dim", [2, 3])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_reference_morton_against_shardax(dim: int, dtype: Any) -> None:
+    rng = np.random.default_rng(dim)
+    pos = (rng.random((4000, dim)) * 3.0 - 1.0).astype(dtype)  # outside the box too: wrapped
+    pos[:10] = pos[10:20]  # equal keys: ties by ids
+    pos[20] = 2.0  # exactly on a box edge
+    with jax.enable_x64(dtype == np.float64):  # shardax quantises in the positions' dtype
+        hi, lo = sx.particles.morton_keys(jnp.asarray(pos), box=2.0)
+    keys = ref.morton_keys(pos, box=2.0)
+    np.testing.assert_array_equal(keys, np.asarray(hi, np.uint64) << np.uint64(32) | np.asarray(lo, np.uint64))
+    ids = rng.permutation(4000)
+    order = ref.morton_order(pos, box=2.0, ids=ids)
+    np.testing.assert_array_equal(order, np.lexsort((ids, keys)))
+    assert np.all(np.diff(keys[order].astype(np.float64)) >= 0)
+    inside = np.mod(pos, dtype(2.0))
+    inside[inside >= 2.0] = 0
+    np.testing.assert_array_equal(ref.morton_keys(inside, box=2.0, wrap=False), keys)
+    with pytest.raises(ValueError, match="2D or 3D"):
+        ref.morton_keys(np.zeros((3, 4)))
+
+
+def test_reference_cic_and_power_against_shardax() -> None:
+    pos = _clustered(4000, 3, seed=7).astype(np.float32)
+    n, shape = len(pos), (16, 8, 16)
+    mass = np.random.default_rng(7).uniform(0.5, 1.5, n)
+    rho = ref.cic_paint(pos, shape, box=1.0, mass=mass)
+    np.testing.assert_allclose(rho.sum(), mass.sum(), rtol=1e-12)
+    part = sx.particles.Particles(jnp.asarray(pos), jnp.int32(n), mass=jnp.asarray(mass, jnp.float32))
+    sx.testing.assert_allclose(sx.fields.local_paint(part, shape, box=1.0)[0], rho, kind="linalg")
+    # Readout is paint's transpose: <readout(f), m> == <f, paint(m)>.
+    field = np.random.default_rng(8).standard_normal(shape)
+    values = ref.cic_readout(field, pos, box=1.0)
+    np.testing.assert_allclose(values @ mass, np.sum(field * rho), rtol=1e-10)
+    sx.testing.assert_allclose(sx.fields.local_readout(jnp.asarray(field, jnp.float32), part, box=1.0)[0][:n], values,
+                               kind="linalg")
+    with pytest.raises(ValueError, match="one size per axis"):
+        ref.cic_paint(pos, (8, 8), box=1.0)
+
+    cube = ref.cic_paint(pos, (16, 16, 16), box=1.0)
+    delta = (cube / cube.mean() - 1).astype(np.float32)
+    edges = sx.fields.bin_edges(6, (16, 16, 16), 1.0)
+    for compensate in (True, False):
+        k, pk, modes = sx.fields.local_power_spectrum(jnp.asarray(delta), box=1.0, bins=6, compensate=compensate)
+        want_k, want_pk, want_modes = ref.power_spectrum(delta, box=1.0, edges=edges, compensate=compensate)
+        np.testing.assert_array_equal(np.asarray(modes), want_modes)
+        sx.testing.assert_allclose(np.asarray(k), want_k)
+        sx.testing.assert_allclose(np.asarray(pk) / want_pk.max(), want_pk / want_pk.max(), dtype=np.float32,
+                                   kind="fft")
+    # An empty bin: its centre and no power.
+    k, pk, modes = ref.power_spectrum(delta, box=1.0, edges=np.array([0.1, 0.2, 2 * np.pi * 1.2]))
+    assert modes[0] == 0 and k[0] == pytest.approx(0.15) and pk[0] == 0 and modes[1] == 6
+
+
+def test_reference_imports_scipy_lazily() -> None:
+    import subprocess
+
+    path = Path(sx.testing.reference.__file__)
+    code = ("import importlib.util, sys; "
+            f"spec = importlib.util.spec_from_file_location('reference', {str(path)!r}); "
+            "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('scipy', 'jax', 'shardax')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

@@ -3,7 +3,7 @@
 A worker is one process (or one rank of a launched run) with a fixed number of CPU devices: the parent
 (:mod:`shardax.cli._bench`) writes a plan, starts ``python -m shardax.cli._bench_worker PLAN`` with the device count
 it wants, and reads back one JSON line per timing that rank 0 appends to the plan's result file. The NumPy/SciPy
-anchors here are also the references of the scripts in ``benchmarks/``.
+anchors are :mod:`shardax.testing.reference`'s; the scripts in ``benchmarks/`` time the same ones.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
+
+from ..testing import reference
 
 Versus = Literal["anchor", "1 device"]
 
@@ -130,19 +132,13 @@ def kernels(backend: str) -> dict[str, Kernel]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Anchors (NumPy / SciPy), shared with benchmarks/.
+# Anchors: NumPy/SciPy ones built on shardax.testing.reference, and their JAX equivalents for accelerators; the
+# scripts in benchmarks/ time the same ones.
 
 def numpy_zsort(pos: np.ndarray, ids: np.ndarray, mass: np.ndarray) -> tuple[np.ndarray, ...]:
-    """The NumPy z-sort: 21-bit-per-axis Morton keys over the box [0, 1), argsort, gather."""
-    cells = np.minimum(np.floor(pos * np.float32(2**21)).astype(np.uint64), np.uint64(2**21 - 1))
-    key = np.zeros(len(pos), np.uint64)
-    for k in range(3):
-        x = cells[:, k]
-        for shift, mask in ((32, 0x1F00000000FFFF), (16, 0x1F0000FF0000FF), (8, 0x100F00F00F00F00F),
-                            (4, 0x10C30C30C30C30C3), (2, 0x1249249249249249)):
-            x = (x | (x << np.uint64(shift))) & np.uint64(mask)
-        key |= x << np.uint64(k)
-    order = np.argsort(key)
+    """The NumPy z-sort of points in the box [0, 1): 21-bit-per-axis Morton keys
+    (:func:`shardax.testing.reference.morton_keys`), argsort, gather."""
+    order = np.argsort(reference.morton_keys(pos, box=1.0, wrap=False))
     return pos[order], ids[order], mass[order]
 
 
@@ -162,7 +158,7 @@ def jax_zsort(pos: Any, ids: Any, mass: Any) -> tuple[Any, ...]:
     return pos[order], ids[order], mass[order]
 
 
-def brute_knn(pos: Any, k: int) -> tuple[Any, Any]:
+def jax_brute_knn(pos: Any, k: int) -> tuple[Any, Any]:
     """Exact k nearest neighbours by brute force (jit it): squared distances of query blocks to every point, top k."""
     import jax
     import jax.numpy as jnp
@@ -182,15 +178,8 @@ def brute_knn(pos: Any, k: int) -> tuple[Any, Any]:
 
 
 def scipy_fof(pos: np.ndarray, linking_length: float, box: float = 1.0) -> np.ndarray:
-    """Friends-of-friends labels (component ids) in a periodic box: ``query_pairs`` + ``connected_components``."""
-    from scipy.sparse import coo_matrix
-    from scipy.sparse.csgraph import connected_components
-    from scipy.spatial import cKDTree  # pyright: ignore[reportAttributeAccessIssue]
-
-    pairs = cKDTree(pos, boxsize=box).query_pairs(linking_length, output_type="ndarray")
-    n = len(pos)
-    graph = coo_matrix((np.ones(len(pairs), np.int8), (pairs[:, 0], pairs[:, 1])), shape=(n, n))
-    return connected_components(graph, directed=False)[1]
+    """Friends-of-friends component ids in a periodic box by SciPy (:func:`shardax.testing.reference.fof_components`)."""
+    return reference.fof_components(pos, linking_length, box=box)
 
 
 def time_rounds(fns: Mapping[str, Callable[[], Any]], repeat: int) -> tuple[dict[str, float], dict[str, list[float]]]:
@@ -408,8 +397,8 @@ def _case_zsort(ctx: Context, n: int) -> list[Timing]:
     with jax.enable_x64(True):
         device = jax.local_devices()[0]
         args = [jax.device_put(a, device) for a in (pos, ids, mass)]
-        reference = jax.jit(jax_zsort)
-        return ctx.time("zsort", n, lambda: sort(part, box=1.0), {"jnp.argsort": lambda: reference(*args)})
+        jitted = jax.jit(jax_zsort)
+        return ctx.time("zsort", n, lambda: sort(part, box=1.0), {"jnp.argsort": lambda: jitted(*args)})
 
 
 def _case_knn(ctx: Context, n: int, k: int = 9) -> list[Timing]:
@@ -425,7 +414,7 @@ def _case_knn(ctx: Context, n: int, k: int = 9) -> list[Timing]:
         import jax
 
         one = jax.device_put(pos, jax.local_devices()[0])
-        brute = jax.jit(functools.partial(brute_knn, k=k))
+        brute = jax.jit(functools.partial(jax_brute_knn, k=k))
         return ctx.time("knn", n, ours, {"brute force": lambda: brute(one)}, setup_s=setup_s)
     from scipy.spatial import cKDTree  # pyright: ignore[reportAttributeAccessIssue]
 

@@ -2,8 +2,8 @@
 
 A stage runs its distributed calls through the public API on a flat mesh of every device (timed, the first call
 with its compilation), gathers the results to the host of every process (collectively) and, on process 0, compares
-them with the references of :mod:`._demo_reference`. Every process runs the same stages in the same order with the
-same shapes: the data are drawn from fixed seeds, each process passing its own slice of the particles.
+them with the references of :mod:`shardax.testing.reference`. Every process runs the same stages in the same order
+with the same shapes: the data are drawn from fixed seeds, each process passing its own slice of the particles.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from ..particles import from_numpy, squeeze, zsort
 from ..runtime import World, device_grid, flat_mesh
 from ..runtime import detect_launch as detect
 from ..spatial import fof, knn
-from . import _demo_reference as ref
+from ..testing import reference as ref
+from . import _demo_checks as check
 from ._halos import generate
 from ._selftest import run_self_test
 
@@ -159,12 +160,12 @@ def runtime_and_collectives(ctx: Context) -> Outcome:
     failures = _failures(
         *world_problems,
         *(f"{r.name}: {r.error or 'wrong result'}" for r in self_test if not r.ok),
-        ref.exact("rank_info", got["rank"], np.arange(ndev)),
-        ref.exact("allgather", got["allgather"], np.broadcast_to(host, (ndev, *host.shape))),
-        ref.exact("scan", got["scan"], np.cumsum(host, axis=0)),
-        ref.exact("shift", got["shift"], np.roll(host, 1, axis=0)),
-        ref.exact("bcast", got["bcast"], np.broadcast_to(host[-1], host.shape)),
-        ref.exact("allreduce max", got["max"], np.broadcast_to(host.max(axis=0), host.shape)))
+        check.exact("rank_info", got["rank"], np.arange(ndev)),
+        check.exact("allgather", got["allgather"], np.broadcast_to(host, (ndev, *host.shape))),
+        check.exact("scan", got["scan"], np.cumsum(host, axis=0)),
+        check.exact("shift", got["shift"], np.roll(host, 1, axis=0)),
+        check.exact("bcast", got["bcast"], np.broadcast_to(host[-1], host.shape)),
+        check.exact("allreduce max", got["max"], np.broadcast_to(host.max(axis=0), host.shape)))
     return Outcome(scale, *times, reference, failures)
 
 
@@ -177,11 +178,11 @@ def zsort_stage(ctx: Context) -> Outcome:
     reference = "NumPy Morton argsort"
     if not ctx.lead:
         return Outcome(scale, *times, reference)
-    order = ref.morton_order(ctx.pos, np.arange(len(ctx.pos)), ctx.sizes.box)
+    order = ref.morton_order(ctx.pos, box=ctx.sizes.box, ids=np.arange(len(ctx.pos)))
     balance = int(counts.max() - counts.min())
     return Outcome(scale, *times, reference, _failures(
-        ref.exact("z-ordered ids", dense["ids"], order),
-        ref.exact("z-ordered positions", dense["pos"], ctx.pos[order]),
+        check.exact("z-ordered ids", dense["ids"], order),
+        check.exact("z-ordered positions", dense["pos"], ctx.pos[order]),
         "" if balance <= 1 else f"per-device counts differ by {balance} (equalize promises at most 1)",
         "" if not overflow.any() else "zsort reported an overflow"))
 
@@ -210,11 +211,11 @@ def knn_density(ctx: Context) -> Outcome:
     if not ctx.lead:
         return Outcome(scale, *times, reference)
     sample = np.sort(np.random.default_rng(ctx.sizes.seed).choice(n, min(KNN_SAMPLE, n), replace=False))
-    want_d, want_i = ref.brute_knn(ctx.pos, sample, min(NEIGHBOURS + 1, n), box)
+    want_d, want_i = ref.brute_knn(ctx.pos, min(NEIGHBOURS + 1, n), queries=sample, box=box)
     want_density = (NEIGHBOURS - 1) / (4 / 3 * math.pi * want_d[:, NEIGHBOURS - 1] ** 3) / (n / box**3)
     return Outcome(scale, *times, reference, _failures(
-        ref.knn_mismatch(distances[sample], neighbours[sample], want_d, want_i, np.float32),
-        ref.close("density", density[sample], want_density, dtype=np.float32)))
+        check.knn_mismatch(distances[sample], neighbours[sample], want_d, want_i, np.float32),
+        check.close("density", density[sample], want_density, dtype=np.float32)))
 
 
 def fof_and_catalogue(ctx: Context) -> Outcome:
@@ -230,17 +231,17 @@ def fof_and_catalogue(ctx: Context) -> Outcome:
     reference = f"union-find ({'SciPy KDTree' if _have_scipy() else 'NumPy grid'})"
     if not ctx.lead:
         return Outcome(scale, *times, reference)
-    want = ref.fof_labels(ctx.pos, linking_length, box, MIN_MEMBERS)
+    want = ref.fof_labels(ctx.pos, linking_length, box=box, min_members=MIN_MEMBERS)
     groups, counts = np.unique(want[want >= 0], return_counts=True)
-    com = ref.group_centres(ctx.pos, want, box)
+    com = ref.fof_catalogue(ctx.pos, want, box=box)["com"]
     com_error = (float(np.abs(ref.minimum_image(catalogue["com"] - com, box)).max(initial=0.0))
                  if catalogue["com"].shape == com.shape else math.inf)
     return Outcome(scale, *times, reference, _failures(
-        ref.exact("labels", labels, want),
-        ref.exact("catalogue labels", catalogue["label"], groups),
-        ref.exact("catalogue counts", catalogue["count"], counts),
-        ref.close("catalogue masses", catalogue["mass"], counts.astype(np.float64), dtype=np.float32),
-        ref.below("catalogue centre of mass error / box", com_error / box, 1e-5)))
+        check.exact("labels", labels, want),
+        check.exact("catalogue labels", catalogue["label"], groups),
+        check.exact("catalogue counts", catalogue["count"], counts),
+        check.close("catalogue masses", catalogue["mass"], counts.astype(np.float64), dtype=np.float32),
+        check.below("catalogue centre of mass error / box", com_error / box, 1e-5)))
 
 
 def _have_scipy() -> bool:
@@ -273,8 +274,8 @@ def potrs_stage(ctx: Context) -> Outcome:
     residual = float(np.linalg.norm(a64 @ x - b) / (np.linalg.norm(a64) * np.linalg.norm(x)))
     return Outcome(scale, *times, reference, _failures(
         "" if status == 0 else f"status {status} (not positive definite?)",
-        ref.close("x", x, np.linalg.solve(a64, b.astype(np.float64)), kind="linalg", dtype=np.float32),
-        ref.below("relative residual", residual, 1e-5)))
+        check.close("x", x, np.linalg.solve(a64, b.astype(np.float64)), kind="linalg", dtype=np.float32),
+        check.below("relative residual", residual, 1e-5)))
 
 
 def _tile(n: int, ndev: int) -> int:
@@ -299,9 +300,9 @@ def syevd_stage(ctx: Context) -> Outcome:
     orthogonality = float(np.linalg.norm(v.T @ v - np.eye(size)) / math.sqrt(size))
     return Outcome(scale, *times, reference, _failures(
         "" if status == 0 else f"status {status} (Jacobi did not converge)",
-        ref.close("eigenvalues", w, np.linalg.eigvalsh(a64), kind="linalg", dtype=np.float32),
-        ref.below("||A V - V W|| / ||A||", residual, 1e-4),
-        ref.below("||V^T V - I|| / sqrt(N)", orthogonality, 1e-4)))
+        check.close("eigenvalues", w, np.linalg.eigvalsh(a64), kind="linalg", dtype=np.float32),
+        check.below("||A V - V W|| / ||A||", residual, 1e-4),
+        check.below("||V^T V - I|| / sqrt(N)", orthogonality, 1e-4)))
 
 
 def fftn_stage(ctx: Context) -> Outcome:
@@ -317,7 +318,7 @@ def fftn_stage(ctx: Context) -> Outcome:
     if not ctx.lead:
         return Outcome(scale, *times, reference)
     want = np.fft.fftn(x.astype(np.complex128), norm="ortho")
-    return Outcome(scale, *times, reference, _failures(ref.close("fftn", got, want, kind="fft", dtype=np.complex64)))
+    return Outcome(scale, *times, reference, _failures(check.close("fftn", got, want, kind="fft", dtype=np.complex64)))
 
 
 def power_stage(ctx: Context) -> Outcome:
@@ -336,16 +337,16 @@ def power_stage(ctx: Context) -> Outcome:
     reference = "NumPy CIC + rfftn"
     if not ctx.lead:
         return Outcome(scale, *times, reference)
-    want_k, want_pk, want_modes = ref.power_spectrum(delta, box, bin_edges(POWER_BINS, shape, box))
+    want_k, want_pk, want_modes = ref.power_spectrum(delta, box=box, edges=bin_edges(POWER_BINS, shape, box))
     ctx.plot_data["power"] = (k, pk, want_pk, box**3 / ctx.sizes.particles, n)
-    want_rho = ref.cic_paint(ctx.pos, np.ones(len(ctx.pos)), shape, box)
+    want_rho = ref.cic_paint(ctx.pos, shape, box=box)
     peak = float(np.max(want_pk)) or 1.0
     return Outcome(scale, *times, reference, _failures(
-        ref.close("painted mass", np.sum(rho, dtype=np.float64), float(len(ctx.pos)), dtype=np.float32),
-        ref.close("painted field", rho, want_rho, kind="linalg", dtype=np.float32),
-        ref.exact("modes per bin", modes, want_modes),
-        ref.close("k per bin", k, want_k, dtype=np.float32),
-        ref.close("P(k) / max P", pk / peak, want_pk / peak, kind="fft", dtype=np.float32)))
+        check.close("painted mass", np.sum(rho, dtype=np.float64), float(len(ctx.pos)), dtype=np.float32),
+        check.close("painted field", rho, want_rho, kind="linalg", dtype=np.float32),
+        check.exact("modes per bin", modes, want_modes),
+        check.close("k per bin", k, want_k, dtype=np.float32),
+        check.close("P(k) / max P", pk / peak, want_pk / peak, kind="fft", dtype=np.float32)))
 
 
 # What each stage's first call compiles (shown while it runs).
