@@ -9,7 +9,8 @@ jz-tree                                              shardax
 ``jz.data.FofCatalogue`` / ``squeeze_catalogue``     ``Catalogue`` / ``Catalogue.to_numpy()``
 ``np.savez(f"fof_catalogue_rank_{rank}.npz", ...)``  ``sx.io.write(path, catalogue, per_rank=True)`` (HDF5)
 
-The groups are checked against cKDTree.query_pairs + connected_components on the gathered particles.
+The groups are checked on the gathered particles against SciPy (``shardax.testing.reference.fof_components``:
+cKDTree.query_pairs + connected_components).
 """
 
 import os
@@ -23,7 +24,6 @@ from jax.experimental import multihost_utils
 
 import shardax as sx
 from shardax.particles import Particles, pad, squeeze, with_ids
-from shardax.spatial._fof import fof
 
 sx.initialize()
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 20000  # particles per device (the guide: 250000)
@@ -42,7 +42,7 @@ mesh = sx.flat_mesh()
 ndev = sx.world().device_count
 part = uniform_particles.smap(mesh)(N=N, npad=N // 2)
 rlink = 0.7 * np.cbrt(1.0 / (N * ndev))
-result = fof.smap(mesh)(part, float(rlink), min_members=20)
+result = sx.spatial.fof.smap(mesh)(part, float(rlink), min_members=20)
 
 # Every process writes its own file (its devices' rows of the catalogue) plus, on process 0, the index.
 out_dir = os.environ.get("SHARDAX_EXAMPLE_OUT") or tempfile.gettempdir()
@@ -56,15 +56,8 @@ if sx.world().process_id == 0:
         print("rank", rank, "ngr", len(count), "largest ten:", np.sort(count)[::-1][:10])
 
 # The same groups as SciPy on the gathered particles.
-from scipy.sparse import coo_matrix  # noqa: E402
-from scipy.sparse.csgraph import connected_components  # noqa: E402
-from scipy.spatial import cKDTree  # noqa: E402
-
 flat = squeeze(part)
-pairs = cKDTree(flat["pos"].astype(np.float64)).query_pairs(rlink, output_type="ndarray")
-n = len(flat["pos"])
-_, comp = connected_components(coo_matrix((np.ones(len(pairs)), (pairs[:, 0], pairs[:, 1])), shape=(n, n)))
-sizes = np.bincount(comp)
+sizes = np.bincount(sx.testing.reference.fof_components(flat["pos"].astype(np.float64), rlink))
 want = np.sort(sizes[sizes >= 20])
 got = np.sort(result.catalogue.to_numpy()["count"])
 assert np.array_equal(got, want), (got[-10:], want[-10:])
