@@ -68,12 +68,12 @@ def _check(parser: argparse.ArgumentParser, ns: argparse.Namespace, devices: int
 
 
 def _noise(text: str) -> bool:
-    """Whether ``text`` is a line of the runtime's chatter: gloo's connection reports (printed from several threads at
-    once, so sometimes in pieces) and XLA's "Very slow compile?" banner (the kernels take tens of seconds to compile
-    on CPU, which XLA logs as an error although nothing is wrong)."""
+    """Whether ``text`` is a line of XLA's "Very slow compile?" banner (the kernels take tens of seconds to compile on
+    CPU, which XLA logs as an error although nothing is wrong) or a blank line; :func:`shardax.runtime.launch`
+    already leaves out gloo's connection reports."""
     stripped = text.strip()
-    return (not stripped or set(stripped) == {"*"} or "[Gloo]" in stripped or "connected peer ranks" in stripped
-            or "slow_operation_alarm" in stripped or "Very slow compile?" in stripped)
+    return (not stripped or set(stripped) == {"*"} or "slow_operation_alarm" in stripped
+            or "Very slow compile?" in stripped)
 
 
 class _ProgressSink:
