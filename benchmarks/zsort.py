@@ -16,9 +16,12 @@ baseline):
 - ``zsort 2x4``: the same under ``shardax launch -n 2 --cpu-devices 4``, timed round-robin with ``zsort 1 device,
   same launch`` (the 1-device call on process 0 while process 1 waits at a barrier): its ratio to that is the
   one measured under one load (the separate runs' loads on this shared machine differ by up to 30%).
+- ``bucket_sort 8 devices``: FoF's z-order sort (``shardax._zorder.bucket_sort``: the rows move once, to their
+  bucket, and are sorted there; sample-sort counts, capacity 1.125x the share) on the same 8 devices, for the
+  comparison of the two ways of moving the data (see ``shardax._zorder``).
 - peak memory per device from XLA's memory analysis (arguments + outputs + temporaries, less the donated buffers
   the outputs reuse) relative to the particle buffers (``capacity x bytes per particle``), without and with
-  donation of the input (``zsort.smap(mesh, donate=True)``).
+  donation of the input (``zsort.smap(mesh, donate=True)``), and of ``bucket_sort`` on 8 devices.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ def single_process(n: int, repeat: int) -> dict[str, float]:
         glob = uniform.smap(mesh)(n=n // ndev, box=1.0, seed=0)
         sort = zsort.smap(mesh)
         fns[f"zsort {ndev} devices"] = lambda: sort(glob, box=1.0)
+        bucket = _bucket_sort(glob, mesh)
+        fns[f"bucket_sort {ndev} devices"] = lambda: bucket(jax.tree.leaves(glob))
     out = _interleaved(fns, repeat)
     out["memory ratio 1 device"] = _memory_ratio(local, part)
     out["memory ratio 1 device, donated"] = _memory_ratio(jax.jit(lambda p: zsort(p, box=1.0), donate_argnums=0),
@@ -80,7 +85,24 @@ def single_process(n: int, repeat: int) -> dict[str, float]:
             # What zsort.smap(mesh) and zsort.smap(mesh, donate=True) compile.
             fn = jax.jit(sx.smap(body, in_specs=(sx.ALL,), out_specs=sx.ALL, mesh=mesh), donate_argnums=donate)
             out[f"memory ratio {ndev} devices{label}"] = _memory_ratio(fn, leaves)
+        out[f"memory ratio {ndev} devices, bucket_sort"] = _memory_ratio(_bucket_sort(glob, mesh), leaves)
     return out
+
+
+def _bucket_sort(glob: Any, mesh: Any) -> Any:
+    """FoF's one-exchange z-order sort of ``glob`` on ``mesh``, jitted, over the global leaves."""
+    import jax
+
+    import shardax as sx
+    from shardax._zorder import bucket_sort
+
+    leaves, treedef = jax.tree.flatten(glob)
+    n = leaves[0].shape[1]
+
+    def body(leaves: list[jax.Array]) -> Any:
+        return bucket_sort(jax.tree.unflatten(treedef, leaves), box=1.0, capacity=n + n // 8).part
+
+    return jax.jit(sx.smap(body, in_specs=(sx.ALL,), out_specs=sx.ALL, mesh=mesh))
 
 
 def _memory_ratio(fn: Any, part: Any) -> float:
@@ -123,7 +145,7 @@ def distributed_child(n: int, repeat: int, path: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=str(__doc__).splitlines()[0])
     parser.add_argument("--n", type=int, default=1_000_000, help="total number of particles")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--no-multiprocess", action="store_true", help="skip the 2 processes x 4 devices run")

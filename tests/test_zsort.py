@@ -152,22 +152,21 @@ def run_cases(mesh: Mesh) -> list[str]:
 
 def _bucket_body(part: Particles, box: float | None) -> tuple:
     """bucket_sort in the local view, and each input row's global index sent home along the sort's routes."""
-    from shardax.comm._alltoallv import chunk_ladder
+    from shardax._zorder import bucket_sort
     from shardax.core import rank_info
-    from shardax.particles._zsort import bucket_sort
-    from shardax.spatial._fof_halo import send_grouped
 
     n = part.pos.shape[0]
-    res, index = bucket_sort(part, box, n, number=True)
-    assert index is not None
+    res = bucket_sort(part, box=box, capacity=n, number=True)
+    assert res.index is not None
     home = jnp.full((n,), -1, jnp.int32)
     if rank_info().size > 1:
         r = res.routes
         assert r is not None
-        got, _, _ = send_grouped({"index": index}, r.received, capacity=n, perm=r.back, plan=(r.sent, r.largest),
-                                 chunk=chunk_ladder(n))
-        home = home.at[jnp.where(jnp.arange(n) < jnp.sum(r.sent), r.perm, n)].set(got["index"], mode="drop")
-    return res.part, index, home, res.overflow
+        # The held rows regrouped by sender (``back``) go back with the counts each sender sent: every sender
+        # receives its rows' values packed by device in the order ``perm``.
+        got, _, _ = sx.comm.alltoallv(res.index[r.back], r.received, capacity=n)
+        home = home.at[jnp.where(jnp.arange(n) < jnp.sum(r.sent), r.perm, n)].set(got, mode="drop")
+    return res.part, res.index, home, res.overflow
 
 
 def _bucket_open(part: Particles) -> tuple:
@@ -253,7 +252,9 @@ def check_overflow(mesh: Mesh) -> None:
     part = layout(mesh, np.random.default_rng(1).random((N, 3)), counts, cap=N)
     with pytest.raises(sx.CapacityError, match="capacity") as info:
         zsort.smap(mesh)(part, capacity=N // ndev - 1 if ndev > 1 else N - 1)
-    assert info.value.argument == "capacity" and info.value.needed > info.value.available
+    needed, available = info.value.needed, info.value.available
+    assert info.value.argument == "capacity" and needed is not None and available is not None
+    assert needed > available
 
 
 # ---------------------------------------------------------------- tests on one process
@@ -303,11 +304,11 @@ def test_zsort_overflow_raises(shape: tuple[int, ...]) -> None:
 def test_zsort_fallback_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     """The paths for many rows per device (two LSD passes instead of MSD + refinement), many devices (binary
     search over the splitters) and many rows in all (ties split by two words), on 3 devices."""
-    from shardax.particles import _sort, _zsort
+    from shardax import _wordsort, _zorder
 
-    monkeypatch.setattr(_sort, "_MSD_MAX_BITS", 0)
-    monkeypatch.setattr(_zsort, "_DIRECT_MAX_SPLITTERS", 0)
-    monkeypatch.setattr(_zsort, "_ONE_WORD_TIES", 0)
+    monkeypatch.setattr(_wordsort, "_MSD_MAX_BITS", 0)
+    monkeypatch.setattr(_zorder, "_DIRECT_MAX_SPLITTERS", 0)
+    monkeypatch.setattr(_zorder, "_ONE_WORD_TIES", 0)
     mesh = Mesh(np.array(jax.devices()[5:8]), ("x",))  # a mesh no other test compiles for
     pos, counts = cases(np.random.default_rng(4), 3)["duplicates_boundary"]
     part = layout(mesh, pos, counts, cap=N)
@@ -391,6 +392,7 @@ def test_zsort_donate_and_peak_memory() -> None:
         body = lambda leaves: zsort(jax.tree.unflatten(treedef, leaves), box=1.0)  # noqa: E731
         fn = jax.jit(sx.smap(body, in_specs=(sx.ALL,), out_specs=sx.ALL, mesh=mesh), donate_argnums=donate)
         stats = fn.lower(leaves).compile().memory_analysis()
+        assert stats is not None
         return (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
                 + stats.temp_size_in_bytes) / data
 
