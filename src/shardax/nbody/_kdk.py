@@ -72,13 +72,13 @@ Snapshots = tuple[jax.Array, jax.Array] | None
 
 def local_kdk(setup: Setup, pos: jax.Array, mom: jax.Array, factors: StepFactors, slots: jax.Array,
               snapshots: int, adjoint: Adjoint = "reverse") -> tuple[jax.Array, jax.Array, jax.Array, Snapshots]:
-    """All steps from `pos, mom (n_local, 3)` in one ``lax.scan``, differentiable with O(1) memory in the steps.
+    """All steps from `pos, mom (n_local, 3)` in one ``lax.scan``, differentiable in them and in the factors.
 
     ``adjoint="reverse"``: a ``jax.custom_vjp`` over the loop whose backward pass runs the steps backwards from the
     final state (kick-drift-kick is time-reversible), reconstructing each state and pulling the cotangents through
     that step (:func:`_reverse_adjoint`): nothing is kept per step, but the reconstructed trajectory differs from the
     forward one by round-off (in float32, a few ulp of the positions per step, amplified where orbits diverge).
-    ``adjoint="checkpoint"``: each step rematerialised in the backward pass (``jax.checkpoint``): exact, but the
+    ``adjoint="checkpoint"``: each step rematerialised in the backward pass (``jax.checkpoint``): no round-off, but the
     gradient keeps positions, momenta and forces per step. The forward values are the same either way.
 
     Returns the final positions and momenta, the most particles a device had to receive, and ``(pos, mom)``
