@@ -221,7 +221,8 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
 
     Args:
         part: particle pytree (``.pos (n, d)`` with ``d`` in {2, 3}, ``.num``; optional ``.mass (n,)``,
-            ``.vel (n, d)``, ``.ids (n,)``). Without ``ids``, rows are numbered in global (device, row) order.
+            ``.vel (n, d)``, ``.ids (n,)``), or a plain `(n, d)` position array (particles without fields, every
+            row valid). Without ``ids``, rows are numbered in global (device, row) order.
         linking_length: absolute linking length (positive; at most half the periodic box).
         box: periodic box size (scalar or per axis), or None for open boundaries.
         min_members: smallest group that gets a label and a catalogue row.
