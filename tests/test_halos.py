@@ -16,7 +16,7 @@ import pytest
 
 import shardax as sx
 from shardax.cli._halos import _forward, generate, halos_parser, run_cli
-from test_fof_multiprocess import reference_labels
+from shardax.testing import reference
 
 _CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_ENABLE_COMPILATION_CACHE",
               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
@@ -36,7 +36,7 @@ def _keep_cache_settings(monkeypatch):
 
 def _reference(pos: np.ndarray, linking_length: float, box: float, min_members: int) -> tuple[np.ndarray, np.ndarray]:
     """Group sizes in label order and the members in group order (then by index), from SciPy."""
-    labels = reference_labels(pos, linking_length, box, min_members)
+    labels = reference.fof_labels(pos, linking_length, box=box, min_members=min_members)
     _, counts = np.unique(labels[labels >= 0], return_counts=True)
     members = np.flatnonzero(labels >= 0)
     return counts, members[np.lexsort((members, labels[members]))]

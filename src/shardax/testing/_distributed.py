@@ -10,11 +10,11 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from .. import runtime
-from ..runtime import CaptureSink, JobResult, ProcessSpec
+from ..runtime import CaptureSink, JobResult
 
 Launcher = Literal["shardax", "mpirun"]
 
@@ -37,7 +37,7 @@ class LaunchResult:
     stderr: str = ""
 
 
-def _child_env(cpu_devices: int | None) -> dict[str, str]:
+def _importable_env(cpu_devices: int | None) -> dict[str, str]:
     """:func:`shardax.runtime.process_env` of this process's environment, with shardax importable from here."""
     env = runtime.process_env(cpu_devices=cpu_devices)
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -79,7 +79,7 @@ def launch_script(path_or_module: str | os.PathLike[str], *args: str, num_proces
     argv = [target] if target.endswith(".py") or os.path.isfile(target) else ["-m", target]
     sink = CaptureSink()
     result = runtime.launch(argv, *map(str, args), num_processes=num_processes, cpu_devices=cpu_devices,
-                            timeout_s=timeout_s, env=_child_env(cpu_devices), sink=sink, verbose=verbose)
+                            timeout_s=timeout_s, env=_importable_env(cpu_devices), sink=sink, verbose=verbose)
     _interrupted(result)
     return LaunchResult(result.returncode, sink.text(), sink.text("stdout"), sink.text("stderr"))
 
@@ -108,11 +108,6 @@ def _locate(fn: Callable[..., Any]) -> tuple[str, str, str]:
     if module_name == "__main__":
         module_name = "__shardax_main__"
     return os.path.abspath(path), module_name, qualname
-
-
-def _mpirun_spec(mpirun: str, argv: Sequence[str], num_processes: int, env: Mapping[str, str]) -> ProcessSpec:
-    """:func:`shardax.runtime.mpirun_spec` under its former name, for callers not yet moved to it."""
-    return runtime.mpirun_spec(argv, num_processes=num_processes, env=env, mpirun=mpirun)
 
 
 def _failure(title: str, result: JobResult, sink: CaptureSink, missing: Sequence[int] = ()) -> AssertionError:
@@ -182,7 +177,7 @@ def run_distributed(fn: Callable[..., Any], *args: Any, num_processes: int = 2, 
             f.write(payload)
         argv = ["-m", "shardax.testing._child", spec_path]
         sink = CaptureSink()
-        env = _child_env(cpu_devices)
+        env = _importable_env(cpu_devices)
         if mpirun is None:
             result = runtime.launch(argv, num_processes=num_processes, cpu_devices=cpu_devices,
                                     timeout_s=timeout_s, env=env, sink=sink)
