@@ -67,12 +67,14 @@ def attach_global(local: F, build: Callable[..., Callable[..., Any]]) -> F:
 
     @functools.wraps(build)
     def constructor(mesh: Mesh | None = None, *, jit: bool = True, **options: Any) -> Callable[..., Any]:
+        key = _constructor_key(mesh, jit, options)
         try:
-            return constructed[_constructor_key(mesh, jit, options, where)]
-        except KeyError:
-            pass
-        built = build(mesh, jit=jit, **options)
-        constructed[_constructor_key(mesh, jit, options, where)] = built
+            built = constructed.get(key)
+        except TypeError:  # an unhashable option: the checks below say which
+            built = None
+        if built is None:
+            _check_constructor_arguments(mesh, jit, options, where)
+            built = constructed[key] = build(mesh, jit=jit, **options)
         return built
 
     constructor.__name__ = "smap"
@@ -81,18 +83,23 @@ def attach_global(local: F, build: Callable[..., Callable[..., Any]]) -> F:
     return local
 
 
-def _constructor_key(mesh: Any, jit: Any, options: dict[str, Any], where: str) -> Hashable:
-    """What a ``.smap`` constructor's result depends on; bad ``mesh`` and ``jit`` raise here, named."""
+def _constructor_key(mesh: Any, jit: Any, options: dict[str, Any]) -> tuple:
+    """What a ``.smap`` constructor's result depends on; values told apart by type (``jit=1`` is not ``True``)."""
+    if not options:
+        return (mesh, type(jit), jit)
+    return (mesh, type(jit), jit, *((k, type(v), v) for k, v in sorted(options.items())))
+
+
+def _check_constructor_arguments(mesh: Any, jit: Any, options: dict[str, Any], where: str) -> None:
+    """Raise, naming the argument, for a ``.smap`` constructor's bad ``mesh``, ``jit`` or options."""
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"{where}: mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
     if not isinstance(jit, bool):
         raise TypeError(f"{where}: jit must be a bool, got {jit!r}")
-    key = (mesh, jit, *((k, type(v), v) for k, v in sorted(options.items())))
     try:
-        hash(key)
+        hash(_constructor_key(mesh, jit, options))
     except TypeError:
         raise TypeError(f"{where}: options must be hashable, got {options!r}") from None
-    return key
 
 
 def distributed(f: Callable | None = None, /, *, in_specs: Mapping[str, Any] | None = None, out_specs: Any = ALL,
