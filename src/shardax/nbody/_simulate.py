@@ -108,8 +108,9 @@ def evolve(cosmo: Cosmology, noise: jax.Array, *, box: float, a: Sequence[float]
     (they are time-reversible) and pulls the cotangents through one step at a time, so its memory does not grow
     with the number of steps. The reconstructed trajectory differs from the forward one by round-off (a few ulp of
     the positions per step, amplified where orbits cross); ``adjoint="checkpoint"`` rematerialises each step from a
-    saved state instead (``jax.checkpoint``): exact, but it keeps positions, momenta and forces per step. The
-    forward values do not depend on ``adjoint``.
+    saved state instead (``jax.checkpoint``): exact, but it keeps positions, momenta and forces per step, and it
+    also supports forward mode (``jax.jvp``, ``jax.jacfwd``), which the reverse adjoint (a ``jax.custom_vjp``) does
+    not. The forward values do not depend on ``adjoint``.
 
     Args:
         cosmo: the cosmology.
@@ -125,7 +126,7 @@ def evolve(cosmo: Cosmology, noise: jax.Array, *, box: float, a: Sequence[float]
         deconvolve: divide the density by the cloud-in-cell window.
         capacity: particles a device may receive while painting (default 1.5 times its own).
         adjoint: how ``jax.grad`` goes through the steps: ``"reverse"`` (memory independent of the steps) or
-            ``"checkpoint"`` (one saved state per step, no reconstruction round-off).
+            ``"checkpoint"`` (one saved state per step, no reconstruction round-off, forward mode too).
 
     Returns:
         ``(particles, needed)``: global particles at ``a[-1]`` (as :func:`simulate`) and the most particles a device
