@@ -19,6 +19,7 @@ from ._smap import smap
 from ._specs import ALL
 
 F = TypeVar("F", bound=Callable[..., Any])
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 
 
 def attach_global(local: F, build: Callable[..., Callable[..., Any]]) -> F:
@@ -194,4 +195,4 @@ def _global_by_name(f: Callable, named: dict[str, Any], static_names: tuple[str,
 def _is_array_like(value: Any) -> bool:
     """Whether every leaf of ``value`` is an array (a replicated argument, not a static one)."""
     leaves = jax.tree.leaves(value)
-    return bool(leaves) and all(isinstance(x, jax.Array | np.ndarray | np.generic) for x in leaves)
+    return bool(leaves) and all(isinstance(x, _ARRAY_TYPES) for x in leaves)
