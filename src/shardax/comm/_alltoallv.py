@@ -37,7 +37,8 @@ from ._grouping import COMPARE_RANKS, count_by_rank, group_by_rank
 
 Impl = Literal["auto", "chunked", "ragged"]
 
-# Until their importers outside comm switch to ``shardax._exchange`` and ``shardax.comm``.
+# Re-exported for importers outside comm (shardax._zorder, spatial/_fof.py, spatial/_fof_ghosts.py and tests) until
+# they import them from ``shardax._exchange`` (sizing, ``Chunk``) and ``shardax.comm`` (grouping, counting).
 __all__ = ["COMPARE_RANKS", "Chunk", "ExchangeTuning", "chunk_ladder", "count_by_rank", "default_chunk",
            "group_by_rank", "share_chunk"]
 
