@@ -174,7 +174,9 @@ def knn(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce
             the particles in that order (one exchange fewer on a mesh). Not with ``query``.
         tuning: the kernel's static tile and loop sizes: ``None`` for the backend's preset (``SHARDAX_TUNING``
             overrides), ``"cpu"`` (cache-sized tiles), ``"gpu"`` (few large sequential steps) or a
-            :class:`KnnTuning`. Results are identical for every tuning; only speed and memory change.
+            :class:`KnnTuning` (e.g. the ``"gpu"`` preset with one size replaced, or small capacities and tiles
+            that send a few hundred points through every phase of the search). Results are identical for every
+            tuning; only speed and memory change. Static: a new value compiles again.
 
     Returns:
         ``KnnResult(distances (m, k), indices (m, k))`` with rows aligned with the query rows (``m = n`` without
@@ -194,11 +196,14 @@ def knn(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce
 
     Example:
         >>> import jax, jax.numpy as jnp
-        >>> from shardax.spatial import knn
+        >>> from shardax.spatial import KnnTuning, knn
         >>> pos = jax.random.uniform(jax.random.key(0), (1000, 3))
         >>> res = knn(pos, 4, box=1.0)
         >>> res.distances.shape, res.indices[:3, 0].tolist()
         ((1000, 4), [0, 1, 2])
+        >>> small = KnnTuning(capacity=16, brute_queries=8, brute_tile=64)  # small steps, later passes: same answer
+        >>> bool(jnp.all(knn(pos, 4, box=1.0, tuning=small).indices == res.indices))
+        True
         >>> rmean = knn(pos, 9, reduce=lambda distances, indices, part: jnp.mean(distances[:, 1:], axis=1))
         >>> rmean.indices.shape
         (1000,)
