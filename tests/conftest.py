@@ -22,8 +22,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-# Mesh shapes every distributed feature is checked on: 1D meshes of 1-8 devices and 2D meshes of 4 and 8.
-MESH_SHAPES = [(1,), (2,), (4,), (8,), (2, 2), (2, 4)]
+# Mesh shapes every distributed feature is checked on: one device, the smallest ring, all 8 devices in 1D, and a 2D
+# mesh with unequal axes (which catches a swapped axis a square mesh would hide). 4-device and 2x2 meshes found
+# nothing these four do not, and cost a third of the suite's compile time.
+MESH_SHAPES = [(1,), (2,), (8,), (2, 4)]
 
 
 def make_mesh(shape: tuple[int, ...]) -> Mesh:
