@@ -331,11 +331,13 @@ def _members(labels: jax.Array, member: jax.Array) -> jax.Array:
 
 
 def _result(labels: jax.Array, catalogue: Catalogue, needed: Buffers, buffers: Buffers,
-            overflow: jax.Array | bool = False) -> FofResult:
+            exchange_overflow: jax.Array | None = None) -> FofResult:
     """The :class:`FofResult`: ``needed`` rows of each buffer, and overflow when one of them exceeds its size (or
-    an exchange overflowed)."""
+    an exchange between devices overflowed)."""
     counts = jnp.stack([jnp.asarray(k) for k in needed]).astype(jnp.int32)
-    overflow = overflow | jnp.any(counts > jnp.array(buffers, jnp.int32))
+    overflow = jnp.any(counts > jnp.array(buffers, jnp.int32))
+    if exchange_overflow is not None:
+        overflow = exchange_overflow | overflow
     return FofResult(labels, catalogue, overflow, counts)
 
 
@@ -403,7 +405,7 @@ class _WithGhosts(NamedTuple):
     pos: jax.Array  # (m + h, d)
     ids: jax.Array  # (m + h,)
     valid: jax.Array  # (m + h,)
-    is_ghost: jax.Array  # (m + h,) valid ghost rows
+    ghost_valid: jax.Array  # (h,) ghost rows received
     ghosts: Ghosts  # the routes they came by
 
 
@@ -412,10 +414,8 @@ def _add_ghosts(piece: _Piece, problem: _Problem, *, rank: Any, size: int, capac
     ghosts = exchange_ghosts(piece.rows.pos, piece.ids, piece.pieces, problem.linking_length, problem.box, rank,
                              size, capacity, problem.tuning.ghost_chunk)
     ghost_valid = jnp.arange(capacity, dtype=jnp.int32) < ghosts.num
-    m = piece.valid.shape[0]
     return _WithGhosts(jnp.concatenate([piece.rows.pos, ghosts.pos]), jnp.concatenate([piece.ids, ghosts.ids]),
-                       jnp.concatenate([piece.valid, ghost_valid]),
-                       jnp.concatenate([jnp.zeros((m,), bool), ghost_valid]), ghosts)
+                       jnp.concatenate([piece.valid, ghost_valid]), ghost_valid, ghosts)
 
 
 def _piece_space(local: _WithGhosts, pieces: Pieces, problem: _Problem, *,
@@ -457,7 +457,8 @@ def _catalogue_across(piece: _Piece, local: _WithGhosts, component: jax.Array, l
     mass_all = jnp.concatenate([mass, jnp.zeros((hc,), dtype)])
     vel_all = jnp.concatenate([vel, jnp.zeros((hc, dim), dtype)])
     parts = partial_sums(local.pos, mass_all, vel_all, component, own_rows, big, box)
-    has_ghost = jax.ops.segment_max(local.is_ghost.astype(jnp.int32), component, big) > 0
+    has_ghost = jax.ops.segment_max(jnp.concatenate([jnp.zeros((m,), jnp.int32), local.ghost_valid.astype(jnp.int32)]),
+                                    component, big) > 0
     boundary = has_ghost & (parts.count > 0)
     totals, home, home_label, home_first, piece_needed, piece_overflow = boundary_totals(
         parts, labels, boundary, rank, size, hc, box)

@@ -442,8 +442,8 @@ def find_links(points: SortedPoints, num: jax.Array, linking_length: jax.Array, 
         done = jnp.sum(mine[1:] <= stop, dtype=jnp.int32)
         return _Search(stop, p0 + done, first, second, count + jnp.sum(hit, dtype=jnp.int32), state.steps + 1)
 
-    no_edges = jnp.full((edge_capacity,), -1, jnp.int32)
-    init = vary_like(_Search(jnp.int32(0), jnp.int32(0), no_edges, no_edges, jnp.int32(0), jnp.int32(0)), points.pos)
+    init = vary_like(_Search(jnp.int32(0), jnp.int32(0), jnp.full((edge_capacity,), -1, jnp.int32),
+                             jnp.full((edge_capacity,), -1, jnp.int32), jnp.int32(0), jnp.int32(0)), points.pos)
     found = lax.while_loop(cond, step, init)
     return Links(found.first, found.second, jnp.where(too_many, jnp.iinfo(jnp.int32).max, found.count),
                  found.steps)
