@@ -54,7 +54,7 @@ def blobs(rng: np.random.Generator, n: int) -> np.ndarray:
 
 
 @functools.cache
-def jitted(k: int, box, with_query: bool = False, tuning: str | None = None):
+def jitted(k: int, box, with_query: bool = False, tuning: KnnTuning | str | None = None):
     if with_query:
         return jax.jit(lambda part, query: knn(part, k, box=box, query=query, tuning=tuning))
     return jax.jit(lambda part: knn(part, k, box=box, tuning=tuning))
@@ -182,7 +182,7 @@ def to_host(x: jax.Array) -> np.ndarray:
 
 
 def run_on_mesh(mesh: Mesh, pos: np.ndarray, box: float | None, k: int,
-                tuning: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+                tuning: KnnTuning | str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """knn.smap on ``mesh`` (each process passes its share of ``pos``); results in global input order."""
     share = np.array_split(pos, jax.process_count())[jax.process_index()]
     part = sx.particles.from_numpy(share, mesh=mesh)
@@ -392,3 +392,56 @@ def test_tuning_argument() -> None:
     small = KnnTuning(preset="gpu", batch=1, later_batch=1)  # one block per step: many steps, the same answer
     np.testing.assert_array_equal(np.asarray(knn(pos, 3, tuning=small).indices),
                                   np.asarray(knn(pos, 3, tuning="cpu").indices))
+
+
+# A tuning small enough that 600 points go through every phase of the local search: candidate runs of 160 slots
+# overflow in the clump (adaptive full passes on refined grids, at most 2), compacted passes take 37 queries each,
+# and what no grid certifies (12 exact copies of one point: the k-th and (k+1)-th distances are tied) is answered
+# by brute force in chunks of 8 queries against tiles of 64 rows (600 rows: 10 tiles, the last one ragged).
+SMALL_TUNING = KnnTuning(capacity=160, later_queries=16, max_passes=2, brute_queries=8, brute_tile=64)
+
+
+def every_phase_points() -> np.ndarray:
+    """600 points: uniform, a clump of 120 (sigma 0.003) and 13 copies of one point (rows 120-131 and 200)."""
+    rng = np.random.default_rng(16)
+    pos = rng.random((600, 3))
+    pos[:120] = 0.5 + rng.normal(0, 0.003, (120, 3))
+    pos[120:132] = pos[200]
+    return pos.astype(np.float32)
+
+
+@pytest.mark.parametrize("box", [None, 1.0], ids=["open", "periodic"])
+def test_small_tuning_reaches_every_phase(box: float | None) -> None:
+    pos = every_phase_points()
+    n, k = len(pos), 9
+    ok, ids = jnp.ones(n, bool), jnp.arange(n, dtype=jnp.int32)
+    boxv = None if box is None else jnp.full((3,), box, jnp.float32)
+    dist2, rows, steps = local_knn_steps(jnp.asarray(pos), ok, jnp.asarray(pos), ok, ids, k=k, box=boxv,
+                                         tuning=SMALL_TUNING)
+    # Every phase ran: adaptive full passes, compacted passes, and the brute force in several chunks of 10 tiles.
+    tiles = -(-n // SMALL_TUNING.brute_tile)
+    chunks, rest = divmod(int(steps.brute), 1 + tiles)
+    assert int(steps.adapt) > 0 and int(steps.later) > 0, steps
+    assert rest == 0 and 2 <= chunks < n // SMALL_TUNING.brute_queries, steps
+    distances, indices = np.sqrt(np.asarray(dist2)), np.asarray(rows)
+    # NumPy brute force with ties by index (cKDTree may pick another of the copies for a tied last column).
+    ref_d, ref_i = exact_ref(pos.astype(np.float64), k, box)
+    check_against(distances, indices, ref_d, ref_i, np.float32)
+    # The tied copies: distance 0 to each other, ordered by index.
+    copies = np.r_[120:132, 200]
+    np.testing.assert_array_equal(indices[copies], np.broadcast_to(copies[:k], (len(copies), k)))
+    assert np.all(distances[copies] == 0)
+    # The same integers and distances as the backend's preset: a tuning only decides how the work is cut.
+    preset = jitted(k, box)(jnp.asarray(pos))
+    np.testing.assert_array_equal(indices, np.asarray(preset.indices))
+    np.testing.assert_array_equal(distances, np.asarray(preset.distances))
+
+
+def test_small_tuning_on_eight_devices() -> None:
+    pos = every_phase_points()
+    d, i = run_on_mesh(make_mesh((8,)), pos, None, 9, SMALL_TUNING)
+    one = jitted(9, None, tuning=SMALL_TUNING)(jnp.asarray(pos))
+    np.testing.assert_array_equal(i, np.asarray(one.indices))
+    np.testing.assert_array_equal(d, np.asarray(one.distances))
+    ref_d, ref_i = exact_ref(pos.astype(np.float64), 9, None)
+    check_against(d, i, ref_d, ref_i, np.float32)
