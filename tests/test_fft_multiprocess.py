@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
-from test_fields_reference import binned_numpy, cic_numpy, readout_numpy
+from shardax.testing.reference import cic_paint, cic_readout, power_spectrum
 
 
 def _put(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -65,7 +65,7 @@ def _fields_checks() -> dict[str, float]:
     pos = rng.random((3000, 3)).astype(np.float32) * 10.0
     mass = rng.uniform(0.5, 1.5, 3000).astype(np.float32)
     mine = slice(w.process_id * 1500, (w.process_id + 1) * 1500)
-    expected = cic_numpy(pos.astype(np.float64), mass.astype(np.float64), (16, 16, 16), 10.0)
+    expected = cic_paint(pos.astype(np.float64), (16, 16, 16), box=10.0, mass=mass.astype(np.float64))
     errors = {}
     for label, mesh in [("pencil", sx.grid_mesh(("hosts", "d")))]:  # one mesh: each launch check costs seconds
         part = sx.particles.from_numpy(pos[mine], mesh=mesh, mass=mass[mine])
@@ -76,14 +76,14 @@ def _fields_checks() -> dict[str, float]:
         for vshard, pshard, nshard in zip(values.addressable_shards, part.pos.addressable_shards,
                                           part.num.addressable_shards, strict=True):
             n = int(np.asarray(nshard.data)[0])
-            ref = readout_numpy(expected, np.asarray(pshard.data)[0, :n].astype(np.float64), 10.0)
+            ref = cic_readout(expected, np.asarray(pshard.data)[0, :n].astype(np.float64), box=10.0)
             worst = max(worst, float(np.max(np.abs(np.asarray(vshard.data)[0, :n] - ref))) / expected.max())
         errors[f"{label} readout"] = worst
         delta_ref = expected / expected.mean() - 1
         delta = rho / rho.mean() - 1
         edges = sx.fields.bin_edges(5, (16, 16, 16), 10.0)
         _, pk, modes = sx.fields.power_spectrum(delta, box=10.0, bins=edges, compensate=False)
-        _, pk_ref, modes_ref = binned_numpy(delta_ref, 10.0, edges)
+        _, pk_ref, modes_ref = power_spectrum(delta_ref, box=10.0, edges=edges, compensate=False)
         errors[f"{label} modes"] = float(np.max(np.abs(np.asarray(modes) - modes_ref)))
         errors[f"{label} power"] = float(np.max(np.abs(np.asarray(pk) - pk_ref)) / pk_ref.max())
     return errors

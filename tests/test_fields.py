@@ -16,7 +16,7 @@ import shardax as sx
 from conftest import make_mesh
 from shardax.comm._alltoallv import COMPARE_RANKS, count_by_rank
 from shardax.testing import assert_allclose
-from test_fields_reference import binned_numpy, cic_numpy, readout_numpy
+from shardax.testing.reference import cic_paint, cic_readout, power_spectrum
 
 
 def _particles(mesh: Mesh, n: int = 2000, seed: int = 0) -> tuple[sx.particles.Particles, np.ndarray, np.ndarray]:
@@ -35,7 +35,7 @@ def test_paint_matches_numpy_and_conserves_mass(mesh_shape: tuple[int, ...]) -> 
     assert rho.shape == (16, 16, 16) and rho.dtype == jnp.float32
     assert rho.sharding.is_equivalent_to(NamedSharding(mesh, P(*mesh.axis_names)), 3)
     rows = sx.particles.squeeze(part)
-    expected = cic_numpy(rows["pos"].astype(np.float64), rows["mass"].astype(np.float64), (16, 16, 16), 1.0)
+    expected = cic_paint(rows["pos"].astype(np.float64), (16, 16, 16), box=1.0, mass=rows["mass"].astype(np.float64))
     assert_allclose(np.asarray(rho), expected, dtype=np.float32)
     np.testing.assert_allclose(float(jnp.sum(rho, dtype=jnp.float32)), mass.sum(dtype=np.float64), rtol=1e-5)
 
@@ -43,7 +43,7 @@ def test_paint_matches_numpy_and_conserves_mass(mesh_shape: tuple[int, ...]) -> 
     assert values.shape == part.pos.shape[:2]
     num = np.asarray(part.num)
     got = np.concatenate([np.asarray(values)[d, :num[d]] for d in range(len(num))])
-    assert_allclose(got, readout_numpy(expected, rows["pos"].astype(np.float64), 1.0), dtype=np.float32)
+    assert_allclose(got, cic_readout(expected, rows["pos"].astype(np.float64), box=1.0), dtype=np.float32)
     assert np.all(np.asarray(values)[np.arange(values.shape[1])[None, :] >= num[:, None]] == 0)
 
 
@@ -60,8 +60,7 @@ def test_other_field_splits_and_boxes() -> None:
         assert rho.sharding.is_equivalent_to(NamedSharding(mesh, spec), 3)
         reference = np.zeros((16, 8, 16))
         h = np.asarray(box) / np.asarray((16, 8, 16))
-        reference += cic_numpy(scaled / h / np.asarray((16, 8, 16)), rows["mass"].astype(np.float64),
-                               (16, 8, 16), 1.0)
+        reference += cic_paint(scaled / h / np.asarray((16, 8, 16)), (16, 8, 16), box=1.0, mass=rows["mass"].astype(np.float64))
         assert_allclose(np.asarray(rho), reference, dtype=np.float32)
 
 
@@ -71,10 +70,10 @@ def test_local_view_without_mesh() -> None:
     part = sx.particles.Particles(pos=jnp.asarray(pos), num=jnp.int32(250))
     rho, needed = jax.jit(lambda p: sx.fields.local_paint(p, (8, 8, 8), box=1.0))(part)
     assert int(needed) == 250
-    assert_allclose(np.asarray(rho), cic_numpy(pos[:250].astype(np.float64), np.ones(250), (8, 8, 8), 1.0),
+    assert_allclose(np.asarray(rho), cic_paint(pos[:250].astype(np.float64), (8, 8, 8), box=1.0, mass=np.ones(250)),
                     dtype=np.float32)
     values, _ = jax.jit(lambda f, p: sx.fields.local_readout(f, p, box=1.0))(rho, part)
-    assert_allclose(np.asarray(values)[:250], readout_numpy(np.asarray(rho, np.float64), pos[:250], 1.0),
+    assert_allclose(np.asarray(values)[:250], cic_readout(np.asarray(rho, np.float64), pos[:250], box=1.0),
                     dtype=np.float32)
 
 
@@ -99,7 +98,7 @@ def test_power_spectrum_recovers_gaussian_field(mesh: Mesh) -> None:
     field = jax.device_put(delta.astype(np.float32), NamedSharding(mesh, P(*mesh.axis_names)))
     k, pk, modes = sx.fields.power_spectrum(field, box=box, bins=8, compensate=False)
     edges = sx.fields.bin_edges(8, (n, n, n), box)
-    k_ref, pk_ref, modes_ref = binned_numpy(delta, box, edges)
+    k_ref, pk_ref, modes_ref = power_spectrum(delta, box=box, edges=edges, compensate=False)
     np.testing.assert_array_equal(np.asarray(modes), modes_ref)  # integer results identical at every scale
     assert_allclose(np.asarray(k), k_ref, dtype=np.float32)
     assert_allclose(np.asarray(pk) / pk_ref.max(), pk_ref / pk_ref.max(), dtype=np.float32)
@@ -258,4 +257,4 @@ def test_paint_gradient_is_the_readout() -> None:
         return jnp.sum(rho * w)
 
     grad = np.asarray(jax.grad(loss)(part.mass))[0, :300]
-    assert_allclose(grad, readout_numpy(np.asarray(w, np.float64), pos.astype(np.float64), 1.0), dtype=np.float32)
+    assert_allclose(grad, cic_readout(np.asarray(w, np.float64), pos.astype(np.float64), box=1.0), dtype=np.float32)

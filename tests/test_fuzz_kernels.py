@@ -30,7 +30,7 @@ import shardax as sx
 from conftest import make_mesh
 from shardax.particles import Particles
 from shardax.spatial import fof, knn
-from test_fields_reference import cic_numpy
+from shardax.testing.reference import cic_paint
 from test_fof_multiprocess import labels_by_input_index, reference_labels
 
 
@@ -632,7 +632,7 @@ def test_paint_fuzz(case, fault, pick):
     _, mass = gathered(part, "pos", "mass")
     with np.errstate(all="ignore"):
         wrapped = np.mod(ftz(pos).astype(np.float64), 1.0)
-    want = cic_numpy(wrapped, mass.astype(np.float64), GRID, 1.0)
+    want = cic_paint(wrapped, GRID, box=1.0, mass=mass.astype(np.float64))
     np.testing.assert_allclose(np.asarray(rho), want, rtol=1e-5, atol=1e-5 * (1 + mass.sum()))
 
 
@@ -696,7 +696,7 @@ def test_data_against_its_box_fuzz(op, counts, made, shift, duplicates, seed):
         fof_labels_ok(labels, wrapped, 0.2, 1.0, 2)
     else:
         _, mass = gathered(part, "pos", "mass")
-        want = cic_numpy(wrapped, mass.astype(np.float64), GRID, 1.0)
+        want = cic_paint(wrapped, GRID, box=1.0, mass=mass.astype(np.float64))
         np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5 * (1 + mass.sum()))
 
 
@@ -855,7 +855,7 @@ def test_paint_rejects_non_finite_and_far_positions_and_wraps_drifted_ones():
     mass = (1 + np.arange(8) % 3).astype(np.float64)
     drifted = pos * np.float32(1.4) - np.float32(0.2)  # within a quarter box of [0, 1): wrapped
     rho = sx.fields.paint(global_particles(mesh, drifted, [2, 2, 2, 2]), GRID, box=1.0)
-    want = cic_numpy(np.mod(drifted.astype(np.float64), 1.0), mass, GRID, 1.0)
+    want = cic_paint(np.mod(drifted.astype(np.float64), 1.0), GRID, box=1.0, mass=mass)
     np.testing.assert_allclose(np.asarray(rho), want, rtol=1e-5, atol=1e-5)
     far = pos + np.float32(2.0**20)  # float32 values far outside the box: int32 cell indices overflowed
     with pytest.raises(ValueError, match=r"do not fit the periodic box 1.0: on axis 0 they span \[1.04858e\+06"):
@@ -863,7 +863,7 @@ def test_paint_rejects_non_finite_and_far_positions_and_wraps_drifted_ones():
     # Inside a user's jit nothing can be checked: far positions are wrapped (without overflowing) as before.
     in_jit = jax.jit(lambda part: sx.fields.paint(part, GRID, box=1.0, mesh=mesh))
     rho = in_jit(global_particles(mesh, far, [2, 2, 2, 2]))
-    want = cic_numpy(np.mod(far.astype(np.float64), 1.0), mass, GRID, 1.0)
+    want = cic_paint(np.mod(far.astype(np.float64), 1.0), GRID, box=1.0, mass=mass)
     np.testing.assert_allclose(np.asarray(rho), want, rtol=1e-5, atol=1e-5)
     pos[3, 1] = np.nan
     with pytest.raises(ValueError, match="NaN or infinite"):
