@@ -283,15 +283,21 @@ def multiprocess_body() -> list[np.ndarray]:
             out += [i, np.asarray(one.indices), d, np.asarray(one.distances)]
     pos, box = distributed_cases(np.random.default_rng(8))[0]
     out.append(check_zorder(mesh, pos, box, fields=False))
+    out += run_on_mesh(mesh, every_phase_points(), None, 9, SMALL_TUNING)  # checked against one device by the caller
     return out
 
 
 @pytest.mark.multiprocess
 def test_two_processes() -> None:
-    results = sx.testing.run_distributed(multiprocess_body, num_processes=2, cpu_devices=4)
+    results = sx.testing.run_distributed(multiprocess_body, num_processes=2, cpu_devices=4, timeout_s=540)
     pos, box = distributed_cases(np.random.default_rng(8))[0]
     want = zsort_ids(make_mesh((8,)), pos, box)
+    small = jitted(9, None, tuning=SMALL_TUNING)(jnp.asarray(every_phase_points()))
     for res in results:
+        # Every phase of the local search, on 2 processes: the integers of one device in this process.
+        np.testing.assert_array_equal(res[-1], np.asarray(small.indices))
+        np.testing.assert_array_equal(res[-2], np.asarray(small.distances))
+        res = res[:-2]
         np.testing.assert_array_equal(res[-1], want)  # zorder=True: rows checked, the same z-order as 8 devices here
         res = res[:-1]
         for mesh_i, one_i, mesh_d, one_d in zip(res[0::4], res[1::4], res[2::4], res[3::4], strict=True):
@@ -396,7 +402,7 @@ def test_tuning_argument() -> None:
 
 # A tuning small enough that 600 points go through every phase of the local search: candidate runs of 160 slots
 # overflow in the clump (adaptive full passes on refined grids, at most 2), compacted passes take 37 queries each,
-# and what no grid certifies (12 exact copies of one point: the k-th and (k+1)-th distances are tied) is answered
+# and what no grid certifies (13 exact copies of one point: the k-th and (k+1)-th distances are tied) is answered
 # by brute force in chunks of 8 queries against tiles of 64 rows (600 rows: 10 tiles, the last one ragged).
 SMALL_TUNING = KnnTuning(capacity=160, later_queries=16, max_passes=2, brute_queries=8, brute_tile=64)
 
