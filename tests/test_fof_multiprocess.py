@@ -154,8 +154,25 @@ def _distributed_body(out_dir: str) -> dict:
             files = sx.io.write(ranked, res.catalogue, per_rank=True)
             results["io"] = {"shared": sx.io.read(shared, like=res.catalogue),
                              "ranked": sx.io.read(ranked), "files": files}
+    results["plain"] = _plain_array()
     results["refused"] = _refused_inputs()
     return results
+
+
+PLAIN_ROWS = 1600
+
+
+def _plain_array() -> np.ndarray:
+    """Labels of a plain ``(ndev, n, 3)`` position array (every row a particle) spread over both processes."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = sx.flat_mesh()
+    blocks = mixed_periodic()["pos"][:PLAIN_ROWS].reshape(mesh.size, -1, 3)
+    pos = jax.make_array_from_callback(blocks.shape, NamedSharding(mesh, P(mesh.axis_names)), lambda i: blocks[i])
+    data = mixed_periodic()
+    res = fof.smap(mesh)(pos, data["linking_length"], box=data["box"], min_members=MIN_MEMBERS)
+    return _host(res.labels).reshape(-1)
 
 
 def _refused_inputs() -> dict:
@@ -197,7 +214,10 @@ def test_fof_two_processes(tmp_path) -> None:
             np.testing.assert_array_equal(res[name]["labels"], want)
             compare_catalogues(res[name]["catalogue"], cat)
         assert len(np.unique(want[want >= 0])) > 3, name
+    data = mixed_periodic()
+    plain = reference_labels(data["pos"][:PLAIN_ROWS], data["linking_length"], data["box"], MIN_MEMBERS)
     for res in results:
+        np.testing.assert_array_equal(res["plain"], plain)
         refused = res["refused"]
         assert "do not fit the periodic box 1.0" in refused["box"], refused["box"]
         assert np.all(refused["empty_labels"] == -1) and refused["empty_groups"] == 0
