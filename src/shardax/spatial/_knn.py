@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Hashable
 from typing import Any, Literal, NamedTuple, overload
 
@@ -18,7 +17,7 @@ from .._errors import CapacityError
 from .._morton import given_box_values
 from .._pytree import check_count
 from ..comm import allgather, allreduce, scan
-from ..core import ALL, rank_info, smap
+from ..core import ALL, attach_global, rank_info, smap
 from ..particles import Particles
 from ._knn_dist import Flags, default_ghost_capacity, distributed_knn
 from ._knn_local import local_knn
@@ -293,7 +292,6 @@ def _static_box(box: Box) -> float | tuple[float, ...] | None:
     return tuple(np.asarray(box, np.float64).reshape(-1).tolist())
 
 
-@functools.cache
 def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., Any]:
     """``knn.smap(mesh=None, jit=True)``: :func:`knn` on global ``(ndev, n, ...)`` particle arrays.
 
@@ -389,4 +387,4 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
     return call
 
 
-knn.smap = _knn_smap  # type: ignore[attr-defined]
+attach_global(knn, _knn_smap)

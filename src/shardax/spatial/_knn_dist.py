@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 
 from .._pytree import replace_field, with_num
+from .._zorder import sort_particles
 from ..comm import allgather, allreduce, exchange
 from ..core import rank_info
 from ..particles import Particles
-from ..particles._zsort import sort_particles
 from ._knn_local import kth_distance_bound, local_knn
 from ._knn_pass import positions_of
 from ._knn_tuning import KnnTuning
@@ -100,7 +100,7 @@ def distributed_knn(part: Any, pos: jax.Array, valid: jax.Array, ids: jax.Array,
     # Rows must be packed before zsort (it reads the first `num` rows); invalid rows are moved behind them.
     order = jnp.argsort(~valid, stable=True)
     carrier = jax.tree.map(lambda x: x[order] if jnp.ndim(x) >= 1 and x.shape[0] == n else x, carrier)
-    zsorted = sort_particles(carrier, box, True, None)
+    zsorted = sort_particles(carrier, box=box, equalize=True)
     sorted_rows = zsorted.part
     zpos, znum, zids = sorted_rows.pos, sorted_rows.num, sorted_rows.ids
     zvalid = rows < znum
