@@ -11,7 +11,6 @@ into errors.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar, overload
 
@@ -26,7 +25,7 @@ from .._bounds import check_bounds, check_part, mapped_bounds
 from .._errors import CapacityError
 from .._morton import Box, periodic_box
 from .._pytree import check_count
-from ..core import ALL, smap
+from ..core import ALL, attach_global, smap
 from ._domain import Domain, domain_of
 
 T = TypeVar("T")
@@ -101,10 +100,9 @@ def _global_zsort(mesh: Mesh | None = None, *, jit: bool = True, donate: bool = 
         raise TypeError(f"zsort.smap: jit and donate must be bool, got jit={jit!r}, donate={donate!r}")
     if donate and not jit:
         raise ValueError("zsort.smap: donate=True needs jit=True (only a jitted call can reuse the input buffers)")
-    return _constructed(mesh, jit, donate)  # checked first: the cache would take donate=1 for donate=True
+    return _constructed(mesh, jit, donate)
 
 
-@functools.cache
 def _constructed(mesh: Mesh | None, jit: bool, donate: bool) -> Callable[..., Any]:
     cache: dict[tuple, Callable[..., Any]] = {}
 
@@ -160,16 +158,4 @@ def _constructed(mesh: Mesh | None, jit: bool, donate: bool) -> Callable[..., An
     return call
 
 
-zsort.smap = _global_zsort  # type: ignore[attr-defined]
-
-
-# Transitional: the old positional entry points, until spatial/_fof.py and spatial/_knn_dist.py import
-# shardax._zorder (then delete both).
-def sort_particles(part: Any, box: Box | None, equalize: bool, capacity: int | None) -> _zorder.Sorted:
-    return _zorder.sort_particles(part, box=box, equalize=equalize, capacity=capacity)
-
-
-def bucket_sort(part: Any, box: Box | None, capacity: int | None, *, number: bool = False,
-                host_sort: bool = True) -> tuple[_zorder.Sorted, jax.Array | None]:
-    result = _zorder.bucket_sort(part, box=box, capacity=capacity, number=number, host_sort=host_sort)
-    return result, result.index
+attach_global(zsort, _global_zsort)

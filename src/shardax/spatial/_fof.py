@@ -30,13 +30,13 @@ from jax.sharding import PartitionSpec as P
 
 from .._bounds import check_bounds, check_local, mapped_bounds
 from .._errors import CapacityError
+from .._exchange import share_chunk
 from .._morton import given_box_values
 from .._pytree import check_count, check_positions, pad_global
+from .._zorder import bucket_sort
 from ..comm import allgather
-from ..comm._alltoallv import share_chunk
-from ..core import ALL, rank_info, smap
+from ..core import ALL, attach_global, rank_info, smap
 from ..particles import Particles
-from ..particles._zsort import bucket_sort
 from ._catalogue import Catalogue, Partial, finish, partial_sums
 from ._fof_ghosts import (
     INT_MAX,
@@ -389,7 +389,8 @@ def _sort_into_pieces(problem: _Problem, *, capacity: int) -> _Piece:
     the sort when the particles have no ids: the devices' counts travel with its samples, no scan)."""
     rows = problem.rows
     dtype = rows.pos.dtype
-    result, index = bucket_sort(rows, problem.box_arg, capacity, number=rows.ids is None, host_sort=True)
+    result = bucket_sort(rows, box=problem.box_arg, capacity=capacity, number=rows.ids is None, host_sort=True)
+    index = result.index
     held, routes = result.part, result.routes
     ids = held.ids if index is None else index
     assert ids is not None and routes is not None
@@ -539,7 +540,6 @@ def fof_steps(part: Any, linking_length: float, **options: Any) -> tuple[dict[st
 
 # ---- the global view ----------------------------------------------------------------------------------------------
 
-_CONSTRUCTED: dict[tuple[Mesh | None, bool], Callable[..., FofResult]] = {}
 
 
 # The ghost buffer ``fof.smap`` starts from when ``halo_capacity`` is left unset. Boundary rows are a few percent of
@@ -621,9 +621,6 @@ def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., 
     ``ValueError`` for NaN or infinite positions. Constructors are cached per ``(mesh, jit)``, so calling
     ``fof.smap(mesh)(...)`` repeatedly compiles once per argument structure.
     """
-    constructed = _CONSTRUCTED.get((mesh, jit))
-    if constructed is not None:
-        return constructed
     cache: dict[tuple, Callable[..., Any]] = {}
     grown: dict[tuple, dict[str, int]] = {}
 
@@ -671,7 +668,6 @@ def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., 
             auto.update(short)
         _raise_capacity(np.asarray(needed), _device_buffers(sizes, n=n, devices=ndev, min_members=min_members))
 
-    _CONSTRUCTED[(mesh, jit)] = call
     return call
 
 
@@ -708,4 +704,4 @@ def _raise_capacity(needed: np.ndarray, buffers: Buffers) -> NoReturn:
                         needed=2 * max(halo, 1), available=halo, argument="halo_capacity")
 
 
-fof.smap = _global_fof  # type: ignore[attr-defined]
+attach_global(fof, _global_fof)
