@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 import shardax as sx
 from conftest import make_mesh
-from shardax.comm._alltoallv import COMPARE_RANKS, count_by_rank
+from shardax.comm import count_by_rank
+from shardax.comm._grouping import COMPARE_RANKS
 from shardax.testing import assert_allclose
 from shardax.testing.reference import cic_paint, cic_readout, power_spectrum
 
@@ -179,7 +180,7 @@ def test_exchange_on_one_device_drops_bad_destinations() -> None:
 
 @pytest.mark.parametrize("backend", ["cpu", "gpu"])
 def test_group_by_rank_counts_from_the_sort(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from shardax.comm._alltoallv import group_by_rank
+    from shardax.comm import group_by_rank
 
     monkeypatch.setenv("SHARDAX_TUNING", backend)
     for size in (3, COMPARE_RANKS + 5):

@@ -93,7 +93,7 @@ def test_threshold_is_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_environment_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """``SHARDAX_HOST_SORT=0`` keeps every sort in XLA (for ``jax.export`` and the persistent compilation cache);
     the public ``alltoallv`` groups rows with ``lax.sort`` whatever the setting, kernels ask for the host sort."""
-    from shardax.comm._alltoallv import group_by_rank
+    from shardax.comm import group_by_rank
 
     x = jnp.arange(2 * HOST_MIN, dtype=jnp.int32)[::-1]
     key = x % 3

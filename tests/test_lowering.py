@@ -151,7 +151,7 @@ def test_collectives(mesh: Mesh) -> None:
 
 def test_gpu_presets_take_fewer_steps() -> None:
     """The GPU presets of the static sizes: larger linalg tiles, one exchange round for balanced traffic."""
-    from shardax.comm._alltoallv import default_chunk
+    from shardax._exchange import default_chunk
     from shardax.linalg._layout import default_tile
 
     assert [default_tile(n, 1, "gpu") for n in (16384, 8192, 2048)] == [512, 512, 256]

@@ -240,11 +240,11 @@ def _items(fn: types.FunctionType, prefix: str, depth: int) -> list[Item]:
         inner = _function_of(value)
         if inner is not None and depth < 3:  # a captured function: its own code and captured values, named
             items += _items(inner, f"{prefix}{name}.", depth + 1)
-        elif isinstance(value, tuple) and hasattr(value, "_fields"):
+        elif isinstance(value, tuple) and isinstance(fields := getattr(value, "_fields", None), tuple):
             # a NamedTuple of options (a kernel's static arguments bundled): each field is named as the argument
             # it holds, so a mismatch reads "linking_length=0.06", not the whole bundle
             items += [Item(prefix + field, _digest_of(v, depth), describe(v))
-                      for field, v in zip(value._fields, value, strict=True)]
+                      for field, v in zip(fields, value, strict=True)]
         else:
             items.append(Item(prefix + name, _digest_of(value, depth), describe(value)))
     return items

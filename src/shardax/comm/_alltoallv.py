@@ -22,26 +22,18 @@ from .._exchange import (
     Placement,
     check_capacity,
     check_chunk,
-    chunk_ladder,
     chunked,
     default_chunk,
     exclusive_cumsum,
     local_copy,
     plan_route,
-    share_chunk,
 )
 from .._pytree import is_row_leaf, with_num
 from ..core import AxisSpec, axes_size, resolve_axes, vary_over
 from . import _mpi_prim as mpi
-from ._grouping import COMPARE_RANKS, count_by_rank, group_by_rank
+from ._grouping import group_by_rank
 
 Impl = Literal["auto", "chunked", "ragged"]
-
-# Re-exported for importers outside comm (shardax._zorder, spatial/_fof.py, spatial/_fof_ghosts.py and tests) until
-# they import them from ``shardax._exchange`` (sizing, ``Chunk``) and ``shardax.comm`` (grouping, counting).
-__all__ = ["COMPARE_RANKS", "Chunk", "ExchangeTuning", "chunk_ladder", "count_by_rank", "default_chunk",
-           "group_by_rank", "share_chunk"]
-
 
 def _all_to_all(block: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """Row ``j`` of a `(size, ...)` block to rank ``j`` over ``axes``, by the transport active there."""
@@ -61,7 +53,7 @@ def _exchange_counts(send_counts: jax.Array, axes: tuple[str, ...]) -> jax.Array
     return _all_to_all(words, axes).reshape(send_counts.shape)
 
 
-def _exchange_counts_and_max(send_counts: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
+def exchange_counts_and_max(send_counts: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
     """``(recv_counts, largest)``: the rows each rank sends me, and the largest count any rank sends any rank.
 
     One ``all_to_all``: every rank sends each peer its count for that peer and its own largest count, so the
@@ -126,7 +118,7 @@ def alltoallv_many(arrays: Sequence[jax.Array], send_counts: jax.Array, capacity
     ``row_maps`` as in :class:`shardax._exchange.Placement` (they let callers skip a permuted copy of the rows,
     receive into a prepared buffer, place every row at its own row of the receiver, or transform rows on the way;
     float rows placed so have no gradient rule). ``plan``: the
-    ``(recv_counts, largest)`` of :func:`_exchange_counts_and_max` when the caller already knows them (a route
+    ``(recv_counts, largest)`` of :func:`exchange_counts_and_max` when the caller already knows them (a route
     travelled before, either way): no count exchange then."""
     size = axes_size(axes)
     send_counts = jnp.maximum(jnp.asarray(send_counts, jnp.int32), 0)
@@ -162,7 +154,7 @@ def alltoallv_raw(arrays: Sequence[jax.Array], send_counts: jax.Array, capacity:
     """:func:`alltoallv_many` on two or more ranks, without a gradient rule (``send_counts`` checked, int32)."""
     if plan is None and recv_at is None and init is None and target is None and mpi.mpi_active(axes):
         return _mpi_packed(arrays, send_counts, capacity, axes, perm, row_maps)
-    recv_counts, largest = _exchange_counts_and_max(send_counts, axes) if plan is None else plan
+    recv_counts, largest = exchange_counts_and_max(send_counts, axes) if plan is None else plan
     if recv_at is None:
         overflow = jnp.sum(recv_counts) > capacity
     else:

@@ -29,7 +29,7 @@ from jax import lax
 from .._exchange import Chunk
 from ..core import vary_over, varying
 from . import _mpi_prim as mpi
-from ._alltoallv import Impl, _exchange_counts_and_max, _inexact, alltoallv_raw
+from ._alltoallv import Impl, _inexact, alltoallv_raw, exchange_counts_and_max
 
 
 class _Static(NamedTuple):
@@ -76,7 +76,7 @@ def _moved(static: _Static, arrays: tuple[jax.Array, ...], send_counts: jax.Arra
 def _moved_fwd(static: _Static, arrays: tuple[jax.Array, ...], send_counts: jax.Array, perm: jax.Array | None,
                plan: tuple[jax.Array, jax.Array] | None) -> tuple[Any, Any]:
     if plan is None and not mpi.mpi_active(static.axes):  # (the MPI transport learns the counts in its host call)
-        plan = _exchange_counts_and_max(send_counts, static.axes)
+        plan = exchange_counts_and_max(send_counts, static.axes)
     outs, recv_counts, overflow = alltoallv_raw(list(arrays), send_counts, static.capacity, static.axes, static.impl,
                                                 static.chunk, perm=perm, plan=plan)
     largest = None if plan is None else plan[1]

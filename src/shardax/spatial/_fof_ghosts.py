@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .._exchange import Chunk
 from .._wordsort import sort_words
-from ..comm import allgather, allreduce
-from ..comm._alltoallv import Chunk, _exchange_counts_and_max, alltoallv_many, group_by_rank
+from ..comm import allgather, allreduce, group_by_rank
+from ..comm._alltoallv import alltoallv_many, exchange_counts_and_max
 from ..core import resolve_axes, vary_like
 from ._catalogue import Partial, combine, min_image
 
@@ -87,7 +88,7 @@ def send_grouped(columns: dict[str, jax.Array], counts: jax.Array, *, capacity: 
 
     One ``alltoallv`` for all columns (it packs the 4- and 8-byte ones into one block per round). ``plan``:
     ``(recv_counts, largest)`` when the route is known (no count exchange). ``chunk``: rows per rank pair and round
-    (default ``alltoallv``'s, sized for a sort's memory; :func:`~shardax.comm._alltoallv.share_chunk` for one
+    (default ``alltoallv``'s, sized for a sort's memory; :func:`~shardax._exchange.share_chunk` for one
     round of a whole share; a
     :func:`boundary_chunks` ladder for one round of boundary traffic, whatever its size).
     Returns ``(columns, recv_counts, overflow)``: ``capacity`` rows grouped by source rank, each source's rows in
@@ -111,7 +112,7 @@ def exchange_columns(columns: dict[str, jax.Array], dest: jax.Array, *, num: jax
     """
     rows = jnp.arange(dest.shape[0], dtype=jnp.int32)
     perm, counts = group_by_rank(jnp.where(rows < num, dest, size), size, host=True)
-    recv_counts, largest = _exchange_counts_and_max(counts, resolve_axes(None))
+    recv_counts, largest = exchange_counts_and_max(counts, resolve_axes(None))
     out, _, overflow = send_grouped(columns, counts, capacity=capacity, perm=perm, plan=(recv_counts, largest),
                                     chunk=chunk)
     return out, recv_counts, overflow, perm, (counts, largest)
@@ -243,7 +244,7 @@ def exchange_ghosts(pos: jax.Array, ids: jax.Array, pieces: Pieces, linking_leng
     # Copies past the capacity are not sent (overflow); the counts say what went to each rank.
     send_counts = jnp.clip(capacity - (jnp.cumsum(per_dest) - per_dest), 0, per_dest)
     # The routes' plan is kept: the label exchanges travel the same routes (either way) with no count exchange.
-    recv_counts, largest = _exchange_counts_and_max(send_counts, resolve_axes(None))
+    recv_counts, largest = exchange_counts_and_max(send_counts, resolve_axes(None))
     got, _, overflow = send_grouped({"pos": pos[send_row], "ids": ids[send_row]}, send_counts, capacity=capacity,
                                     plan=(recv_counts, largest), chunk=boundary_chunks(capacity, size))
     received = jnp.sum(recv_counts)
