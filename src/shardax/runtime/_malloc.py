@@ -2,8 +2,8 @@
 
 XLA:CPU allocates the buffers of a program afresh on each call (with ``malloc``) and frees them afterwards. glibc
 serves large blocks by ``mmap`` and returns them by ``munmap``, and threads allocate from arenas of their own, whose
-free heaps are returned too. The next call then touches new pages, and the kernel zeroes every one of them. On this
-project's 2-core machine FoF over 1e6 points (one device) took 116,000 page faults and 188 ms of kernel time per
+free heaps are returned too. The next call then touches new pages, and the kernel zeroes every one of them. On a
+2-core x86 machine FoF over 1e6 points (one device) took 116,000 page faults and 188 ms of kernel time per
 call, a third of its CPU time. With one arena, no ``mmap`` for large blocks and no trimming (:data:`MALLOC_ENV`), a
 call reuses the previous call's memory: 75 page faults, 4 ms in the kernel, 204 ms per call instead of 317 ms (8
 devices in one process: 504 -> 407 ms; 2 processes x 4 devices: 575 -> 470 ms). The price: a process keeps its peak
