@@ -68,7 +68,7 @@ def test_one_process_keeps_xla_collectives() -> None:
     import shardax as sx
     from shardax.comm import _mpi_prim
 
-    assert sx.runtime._transport.cpu_collectives() == "gloo"  # type: ignore[attr-defined]
+    assert sx.runtime.cpu_collectives() == "gloo"
     seen = []
 
     def f() -> Any:
