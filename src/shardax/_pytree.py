@@ -20,6 +20,34 @@ from jax.core import Tracer
 T = TypeVar("T")
 
 
+def particle_set(part: Any, where: str, *, name: str = "part", dims: tuple[int, ...] = (2, 3),
+                 global_view: str | None = None) -> Any:
+    """``part`` when it is a particle pytree (``.pos``, ``.num``); a plain `(n, d)` position array as a
+    ``shardax.particles.Particles`` without fields, every row valid (the kernels' plain-array input).
+
+    ``where`` names the kernel in errors (``"fof"``), ``name`` the argument, ``dims`` the dimensions it takes and
+    ``global_view`` what takes global ``(ndev, n, d)`` arrays (default ``where + ".smap"``). A pytree is returned
+    as is: the kernel checks its fields. Raises ``TypeError`` for anything else and for non-float positions,
+    ``ValueError`` for a plain array of the wrong shape.
+    """
+    if hasattr(part, "pos") and hasattr(part, "num"):
+        return part
+    if not isinstance(part, jax.Array | np.ndarray):
+        raise TypeError(f"{where}: {name} must be a particle pytree with .pos and .num (e.g. shardax.particles."
+                        f"Particles) or an (n, d) array of positions, got {type(part).__name__}")
+    if part.ndim != 2 or part.shape[1] not in dims:
+        shapes = " or ".join(f"(n, {d})" for d in dims)
+        raise ValueError(f"{where}: {name} as a plain array must have shape {shapes} (local view; one row per "
+                         f"particle), got {part.shape}. Global (ndev, n, d) arrays go through "
+                         f"{global_view or where + '.smap'}.")
+    if part.dtype not in (np.float32, np.float64):
+        raise TypeError(f"{where}: {name} must hold float32 or float64 positions, got dtype {part.dtype}; cast it "
+                        f"with {name}.astype(jnp.float32)")
+    from .particles import Particles  # the particle data model sits above this module
+
+    return Particles(pos=jnp.asarray(part), num=jnp.int32(part.shape[0]))
+
+
 def row_count(part: Any) -> int:
     """Leading length (capacity) of ``part.pos``; raises ``TypeError`` when ``part`` is not a particle pytree."""
     pos = getattr(part, "pos", None)

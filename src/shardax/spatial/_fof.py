@@ -32,7 +32,7 @@ from .._bounds import check_bounds, check_local, mapped_bounds
 from .._errors import CapacityError
 from .._exchange import share_chunk
 from .._morton import given_box_values
-from .._pytree import check_count, check_positions, pad_global
+from .._pytree import check_count, check_positions, pad_global, particle_set
 from .._zorder import bucket_sort
 from ..comm import allgather
 from ..core import ALL, attach_global, rank_info, smap
@@ -109,23 +109,6 @@ class _Problem(NamedTuple):
 # ---- input ---------------------------------------------------------------------------------------------------------
 
 
-def _particle_set(part: Any, where: str) -> Any:
-    """``part`` when it is a particle pytree (``.pos``, ``.num``); a plain `(n, d)` position array as particles
-    without fields, every row valid."""
-    if hasattr(part, "pos") and hasattr(part, "num"):
-        return part
-    if not isinstance(part, jax.Array | np.ndarray):
-        raise TypeError(f"{where}: part must be a particle pytree with .pos and .num (e.g. shardax.particles."
-                        f"Particles) or an (n, d) array of positions, got {type(part).__name__}")
-    if part.ndim != 2 or part.shape[1] not in (2, 3):
-        raise ValueError(f"{where}: part as a plain array must have shape (n, 2) or (n, 3) (local view; one row per "
-                         f"particle), got {part.shape}. Global (ndev, n, d) arrays go through fof.smap.")
-    if part.dtype not in (np.float32, np.float64):
-        raise TypeError(f"{where}: part must hold float32 or float64 positions, got dtype {part.dtype}; cast it with "
-                        "part.astype(jnp.float32)")
-    return Particles(pos=jnp.asarray(part), num=jnp.int32(part.shape[0]))
-
-
 def _positive_int(value: Any, name: str, *, allow_none: bool = False) -> int | None:
     if value is None and allow_none:
         return None
@@ -183,7 +166,7 @@ def _check_linking_length(linking_length: Any, box: Any, dtype: Any) -> jax.Arra
 def _checked_problem(part: Any, linking_length: Any, *, box: Any, min_members: int, requested: Buffers,
                      tuning: Tuning | TuningName | None) -> _Problem:
     """The arguments of :func:`fof` checked (clear errors naming the argument) and gathered into a :class:`_Problem`."""
-    part = _particle_set(part, "fof")
+    part = particle_set(part, "fof")
     n, dim = check_positions(part, "fof")
     if n == 0:
         raise ValueError("fof: part has no rows (part.pos has shape (0, d)); give it at least one padding row: the "
@@ -581,7 +564,7 @@ def _smap_body(treedef: Any, static: _Static, sizes: Buffers) -> Callable[..., A
 
     def body(leaves: list[jax.Array]) -> tuple[FofResult, tuple[jax.Array, ...]]:
         local = jax.tree.unflatten(treedef, leaves)
-        view = _particle_set(local, "fof.smap")
+        view = particle_set(local, "fof.smap", global_view="fof.smap")
         n = view.pos.shape[0]
         valid = jnp.arange(n) < view.num
         bad = jnp.sum(valid & ~jnp.all(jnp.isfinite(view.pos), axis=1)).astype(jnp.int32)

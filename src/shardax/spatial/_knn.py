@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from .._bounds import check_bounds, check_local, mapped_bounds
 from .._errors import CapacityError
 from .._morton import given_box_values
-from .._pytree import check_count
+from .._pytree import check_count, particle_set
 from ..comm import allgather, allreduce, scan
 from ..core import ALL, attach_global, rank_info, smap
 from ..particles import Particles
@@ -43,14 +43,8 @@ class KnnResult(NamedTuple):
 
 def _positions(x: Any, name: str) -> tuple[jax.Array, jax.Array]:
     """Positions and valid-row mask of a particle pytree (``.pos``, ``.num``) or of a plain `(n, d)` array."""
-    if hasattr(x, "pos") and hasattr(x, "num"):
-        pos, num = x.pos, x.num
-    elif isinstance(x, jax.Array | np.ndarray):
-        pos, num = x, None
-    else:
-        raise TypeError(f"knn: {name} must be a particle pytree with .pos and .num (e.g. shardax.particles."
-                        f"Particles) or an (n, d) array, got {type(x).__name__}")
-    pos = jnp.asarray(pos)
+    part = particle_set(x, "knn", name=name, dims=(1, 2, 3))
+    pos = jnp.asarray(part.pos)
     if pos.ndim != 2 or pos.shape[1] not in (1, 2, 3):
         raise ValueError(f"knn: {name} positions must have shape (n, d) with d in {{1, 2, 3}} (local view), got "
                          f"{pos.shape}; global (ndev, n, d) arrays go through knn.smap")
@@ -58,8 +52,9 @@ def _positions(x: Any, name: str) -> tuple[jax.Array, jax.Array]:
         raise TypeError(f"knn: {name} positions must be float32 or float64, got {pos.dtype}; cast them with "
                         f"pos.astype(jnp.float32)")
     n = pos.shape[0]
-    if num is None:
+    if part is not x:  # a plain array: every row valid
         return pos, jnp.ones((n,), bool)
+    num = part.num
     if jnp.ndim(num) != 0:
         raise ValueError(f"knn: {name}.num must be a scalar count in the local view, got shape {jnp.shape(num)}")
     check_count(num, n, "knn", f"{name}.num")
