@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import shardax as sx
-from shardax.comm._alltoallv import alltoallv_many
+from shardax._alltoallv import alltoallv_many
 
 MESHES = [(1,), (8,), (2, 4)]
 

@@ -66,7 +66,7 @@ def test_one_process_keeps_xla_collectives() -> None:
     from jax.sharding import PartitionSpec as P
 
     import shardax as sx
-    from shardax.comm import _mpi_prim
+    from shardax import _mpi_prim
 
     assert sx.runtime.cpu_collectives() == "gloo"
     seen = []
@@ -80,7 +80,7 @@ def test_one_process_keeps_xla_collectives() -> None:
 
 
 def test_plan_groups_and_ranks() -> None:
-    from shardax.comm._mpi_host import Plan
+    from shardax._mpi_host import Plan
 
     process = np.repeat(np.arange(2), 4)                       # a (hosts=2, d=4) mesh, rows by process
     across = Plan.build((2, 4), ("hosts", "d"), ("hosts",), process, me=1)
@@ -252,7 +252,7 @@ def _checks(sx: Any) -> dict[str, list[np.ndarray]]:
     run("exchange", exchange)
 
     def rounds() -> Any:  # the chunked path (several all_to_all rounds in a loop), taken when init is given
-        from shardax.comm._alltoallv import alltoallv_many
+        from shardax._alltoallv import alltoallv_many
 
         rank, size, axes = sx.rank_info()
         counts = (rank + jnp.arange(size, dtype=jnp.int32)) % 3
@@ -337,7 +337,7 @@ def _worker(mode: str) -> None:
             time.sleep(600)                         # rank 1 stops taking part
         f().block_until_ready()
         return
-    from shardax.comm import _mpi_prim
+    from shardax import _mpi_prim
 
     traced: list[bool] = []                          # each trace-time decision: MPI or XLA
     decide = _mpi_prim.mpi_active

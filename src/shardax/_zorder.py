@@ -47,12 +47,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ._alltoallv import alltoallv_many
 from ._exchange import default_chunk, share_chunk
 from ._morton import Box, KeyBox, key_box, morton_key, wrap
 from ._pytree import check_positions, is_row_leaf, with_num
 from ._wordsort import argsort_keys
 from .comm import allgather, allreduce, count_by_rank, group_by_rank
-from .comm._alltoallv import alltoallv_many
 from .core import rank_info, resolve_axes
 
 

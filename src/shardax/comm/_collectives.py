@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .. import _mpi_prim as mpi
 from ..core import AxisSpec, axes_index, axes_size, resolve_axes
-from . import _mpi_prim as mpi
 
 try:  # Varying -> invariant gather: every rank provably holds the same result (out_specs P() type-checks).
     from jax._src.lax.parallel import all_gather_invariant as _all_gather

@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .._alltoallv import alltoallv_many, exchange_counts_and_max
 from .._exchange import Chunk
 from .._wordsort import sort_words
 from ..comm import allgather, allreduce, group_by_rank
-from ..comm._alltoallv import alltoallv_many, exchange_counts_and_max
 from ..core import resolve_axes, vary_like
 from ._catalogue import Partial, combine, min_image
 

@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._exchange import Chunk
-from ..core import vary_over, varying
 from . import _mpi_prim as mpi
-from ._alltoallv import Impl, _inexact, alltoallv_raw, exchange_counts_and_max
+from ._alltoallv import Impl, alltoallv_raw, exchange_counts_and_max, inexact
+from ._exchange import Chunk
+from .core import vary_over, varying
 
 
 class _Static(NamedTuple):
@@ -50,7 +50,7 @@ def differentiable(arrays: Sequence[jax.Array], send_counts: jax.Array, capacity
                    impl: Impl, chunk: Chunk, *, perm: jax.Array | None, recv_at: jax.Array | None,
                    init: Sequence[jax.Array] | None, target: jax.Array | None, row_maps: Sequence[Any] | None,
                    plan: tuple[jax.Array, jax.Array] | None) -> tuple[list[jax.Array], jax.Array, jax.Array]:
-    """:func:`shardax.comm._alltoallv.alltoallv_raw` with a gradient rule for its float arrays (see the module)."""
+    """:func:`shardax._alltoallv.alltoallv_raw` with a gradient rule for its float arrays (see the module)."""
     arrays = tuple(jnp.asarray(a) for a in arrays)
     static = _Static(capacity, axes, impl, chunk, tuple(int(a.shape[0]) for a in arrays),
                      tuple(a.dtype for a in arrays), tuple(varying(a) for a in arrays),
@@ -148,7 +148,7 @@ def _placed_fwd(static: _Static, arrays: Any, send_counts: Any, extra: Any) -> t
 def _placed_bwd(static: _Static, res: None, cts: Any) -> tuple[Any, ...]:
     del res
     for ct in cts[0]:
-        if _inexact(ct):  # (integer results have float0 cotangents)
+        if inexact(ct):  # (integer results have float0 cotangents)
             raise NotImplementedError(
                 "shardax: no gradient through an exchange that places rows by recv_at/target, writes into init "
                 "buffers or maps rows on the way (an internal option of sx.comm's alltoallv); differentiate "

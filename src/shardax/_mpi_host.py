@@ -1,7 +1,7 @@
 """Host side of the MPI transport: one call site of a collective, run by every local device's thread at once.
 
 XLA:CPU runs the program of each local device on a thread of its own; a collective's host call (see
-:mod:`shardax.comm._mpi_prim`) is entered by all of them. They meet at a barrier, one thread (the leader) moves
+:mod:`shardax._mpi_prim`) is entered by all of them. They meet at a barrier, one thread (the leader) moves
 what crosses processes with one MPI call on a communicator of the run, and each thread then assembles its own
 result from the others' inputs (shared memory) and what MPI brought. Three barriers per call: inputs published,
 MPI done, results assembled (after which XLA may free the inputs).
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .._transport import mpi_world
+from ._transport import mpi_world
 
 # Reductions MPI cannot do in these dtypes run in float32 on the host.
 _WIDEN = {np.dtype("float16"), np.dtype("V2")}

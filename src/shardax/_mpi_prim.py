@@ -1,8 +1,8 @@
-"""The MPI transport's JAX side: one primitive whose lowering is a host call into :mod:`shardax.comm._mpi_host`.
+"""The MPI transport's JAX side: one primitive whose lowering is a host call into :mod:`shardax._mpi_host`.
 
 Inside ``smap`` on a multi-process CPU run with the MPI transport (see :func:`mpi_active`), each ``sx.comm``
 collective binds :data:`mpi_collective_p` instead of a ``jax.lax`` collective. The lowering reads the concrete mesh
-of the program, fixes who sends what to whom (a :class:`~shardax.comm._mpi_host.Plan`) and emits XLA's Python
+of the program, fixes who sends what to whom (a :class:`~shardax._mpi_host.Plan`) and emits XLA's Python
 host call with side effects, once per device. The result types follow ``jax.lax``: reductions and gathers are
 invariant over the collective's axes, permutations vary over them.
 """
@@ -22,9 +22,9 @@ from jax._src import sharding_impls
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from .._transport import cpu_collectives
-from ..core import manual_axes, vary_over
 from . import _mpi_host as host
+from ._transport import cpu_collectives
+from .core import manual_axes, vary_over
 
 mpi_collective_p = Primitive("shardax_mpi_collective")
 mpi_collective_p.multiple_results = True
