@@ -361,7 +361,7 @@ def test_unset_buffers_grow_and_are_remembered_on_eight_devices(monkeypatch) -> 
     """With ``halo_capacity`` unset, a device needing more ghost rows than the starting 1024 makes ``fof.smap`` run
     again with a larger buffer (exact labels, no error); the next call starts from the grown size (no further
     compilation). A given size is never grown (the test above)."""
-    import shardax.spatial._fof as fof_module
+    import shardax.spatial._fof_smap as fof_module
 
     data = dense_boundaries()
     pos = data["pos"]

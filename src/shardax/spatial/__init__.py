@@ -4,6 +4,7 @@
 ``fof.smap`` are their global versions on ``(ndev, n, ...)`` particle arrays. :class:`Catalogue` holds FoF groups.
 """
 
+from . import _fof_smap as _fof_smap  # attaches fof.smap (the global version)
 from ._catalogue import Catalogue as Catalogue
 from ._fof import FofResult as FofResult
 from ._fof import fof as fof

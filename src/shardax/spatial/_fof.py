@@ -1,4 +1,4 @@
-"""Friends-of-friends groups: ``fof`` in the local view and its global version ``fof.smap``.
+"""Friends-of-friends groups: ``fof`` in the local view (its global version ``fof.smap`` is in ``_fof_smap``).
 
 ``fof`` checks its input (:func:`_checked_problem`) and takes one of two paths, which share their named steps:
 
@@ -10,7 +10,7 @@
   :func:`_link`); settle labels across devices (``merge_labels``); sum the groups, those that cross devices on a
   home device (:func:`_catalogue_across`); send the labels back to the rows they came from (:func:`_labels_home`).
 
-Both end in :func:`_result`, which sets ``needed`` and ``overflow`` against the buffers of :func:`_device_buffers`.
+Both end in :func:`_result`, which sets ``needed`` and ``overflow`` against the buffers of :func:`device_buffers`.
 Groups are summarised into a :class:`Catalogue` by exact, order-independent sums (``_catalogue``). Sizes and algorithm
 choices of the kernels come from a per-backend ``FofTuning``, passed as data.
 """
@@ -18,25 +18,19 @@ choices of the kernels come from a per-backend ``FofTuning``, passed as data.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any, Literal, NamedTuple, NoReturn
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
-from .._bounds import check_bounds, check_local, mapped_bounds
-from .._errors import CapacityError
+from .._bounds import check_local
 from .._exchange import share_chunk
 from .._morton import given_box_values
-from .._pytree import check_count, check_positions, pad_global, particle_set
+from .._pytree import check_positions, particle_set
 from .._zorder import bucket_sort
-from ..comm import allgather
-from ..core import ALL, attach_global, rank_info, smap
-from ..particles import Particles
+from ..core import rank_info
 from ._catalogue import Catalogue, Partial, finish, partial_sums
 from ._fof_ghosts import (
     INT_MAX,
@@ -117,12 +111,12 @@ def _positive_int(value: Any, name: str, *, allow_none: bool = False) -> int | N
     return value
 
 
-def _requested(**sizes: int | None) -> Buffers:
+def requested_buffers(**sizes: int | None) -> Buffers:
     """The buffer sizes a caller passed, each None or a positive int."""
     return Buffers(**{name: _positive_int(value, name, allow_none=True) for name, value in sizes.items()})
 
 
-def _box_vector(box: Any, dim: int, dtype: Any) -> jax.Array | None:
+def box_vector(box: Any, dim: int, dtype: Any) -> jax.Array | None:
     if box is None:
         return None
     if isinstance(box, bool) or not isinstance(box, int | float | tuple | list | jax.Array | np.ndarray | np.generic):
@@ -174,7 +168,7 @@ def _checked_problem(part: Any, linking_length: Any, *, box: Any, min_members: i
     _positive_int(min_members, "min_members")
     pos = jnp.asarray(part.pos)
     dtype = pos.dtype
-    boxv = _box_vector(box, dim, dtype)
+    boxv = box_vector(box, dim, dtype)
     ll = _check_linking_length(linking_length, box, dtype)
     resolved = resolve(tuning, "fof")
     num = jnp.clip(jnp.asarray(part.num, jnp.int32), 0, n)
@@ -250,7 +244,7 @@ def _fof(part: Any, linking_length: float | jax.Array, *, box: Any, min_members:
          edge_capacity: int | None, halo_capacity: int | None, sort_capacity: int | None,
          tuning: Tuning | TuningName | None) -> tuple[FofResult, Steps]:
     """:func:`fof`, and the sequential loop steps it took (:func:`fof_steps`): checks, then one of the two paths."""
-    requested = _requested(edge_capacity=edge_capacity, halo_capacity=halo_capacity, max_groups=max_groups,
+    requested = requested_buffers(edge_capacity=edge_capacity, halo_capacity=halo_capacity, max_groups=max_groups,
                            sort_capacity=sort_capacity)
     problem = _checked_problem(part, linking_length, box=box, min_members=min_members, requested=requested,
                                tuning=tuning)
@@ -263,7 +257,7 @@ def _fof(part: Any, linking_length: float | jax.Array, *, box: Any, min_members:
 # ---- steps both paths share ----------------------------------------------------------------------------------------
 
 
-def _device_buffers(requested: Buffers, *, n: int, devices: int, min_members: int) -> Buffers:
+def device_buffers(requested: Buffers, *, n: int, devices: int, min_members: int) -> Buffers:
     """The buffer sizes of a device of ``n`` rows among ``devices``, the defaults of those ``requested`` as None
     resolved (on one device no rows travel: the rows are the particles' and there are no ghosts)."""
     if devices == 1:
@@ -336,7 +330,7 @@ def _one_device(problem: _Problem) -> tuple[FofResult, Steps]:
     """FoF of the particles of one device: link them (in the box, wrapped), label, summarise the groups."""
     rows, box, min_members = problem.rows, problem.box, problem.min_members
     n = rows.pos.shape[0]
-    buffers = _device_buffers(problem.requested, n=n, devices=1, min_members=min_members)
+    buffers = device_buffers(problem.requested, n=n, devices=1, min_members=min_members)
     pos = _wrap_into_box(rows.pos, box)
     index = jnp.arange(n, dtype=jnp.int32)
     valid = index < rows.num
@@ -469,7 +463,7 @@ def _several_devices(problem: _Problem, *, rank: Any, size: int) -> tuple[FofRes
     """FoF across ``size`` devices: sort into pieces of space, add ghosts, link, merge labels across devices, sum
     the groups, send the labels home."""
     n = problem.rows.pos.shape[0]
-    buffers = _device_buffers(problem.requested, n=n, devices=size, min_members=problem.min_members)
+    buffers = device_buffers(problem.requested, n=n, devices=size, min_members=problem.min_members)
     m, hc = buffers.sort_capacity, buffers.halo_capacity
     piece = _sort_into_pieces(problem, capacity=m)
     local = _add_ghosts(piece, problem, rank=rank, size=size, capacity=hc)
@@ -519,172 +513,3 @@ def fof_steps(part: Any, linking_length: float, **options: Any) -> tuple[dict[st
     kw = {**defaults, **options}
     result, steps = jax.jit(lambda p: _fof(p, linking_length, **kw))(part)
     return {name: int(value) for name, value in steps._asdict().items()}, result
-
-
-# ---- the global view ----------------------------------------------------------------------------------------------
-
-
-
-# The ghost buffer ``fof.smap`` starts from when ``halo_capacity`` is left unset. Boundary rows are a few percent of
-# a device's particles at the usual sizes (1e6 uniform points on 8 devices: 3% at b = 0.2, 9% at b = 0.7), and the
-# linking and the catalogue hold the own rows plus this buffer: a buffer of n / 16 rows keeps the compiled working
-# set well below the one of ``fof``'s default (n / 4), at the same speed. A device that needs more grows it (see
-# ``_global_fof``).
-_AUTO_HALO_FRACTION = 16
-# Runs of one call while automatic buffers grow (each growth compiles the kernel for the new sizes once).
-_AUTO_ROUNDS = 4
-
-
-class _Static(NamedTuple):
-    """The static arguments of a ``fof.smap`` program (a new value compiles a new program)."""
-
-    linking_length: float
-    box: float | tuple[float, ...] | None
-    min_members: int
-    tuning: Tuning
-
-
-def _global_shape(part: Any) -> tuple[int, int]:
-    """``(ndev, n)`` of a global particle pytree or a plain ``(ndev, n, d)`` position array."""
-    plain = isinstance(part, jax.Array | np.ndarray)
-    pos = part if plain else getattr(part, "pos", None)
-    if pos is None or not (plain or hasattr(part, "num")) or jnp.ndim(pos) != 3:
-        raise ValueError("fof.smap: part must be a global particle pytree with pos of shape (ndev, n, d) "
-                         "(e.g. from shardax.particles.from_numpy) or an (ndev, n, d) array of positions; call fof() "
-                         "for the local view")
-    ndev, n = (int(k) for k in jnp.shape(pos)[:2])
-    if not plain:
-        check_count(part.num, n, "fof.smap")
-    return ndev, n
-
-
-def _smap_body(treedef: Any, static: _Static, sizes: Buffers) -> Callable[..., Any]:
-    """The mapped function of ``fof.smap``: :func:`fof` on one device's leaves, and the flags the host checks
-    (overflow, the rows each buffer needed, positions that are not finite, the data's bounds in a box)."""
-
-    def body(leaves: list[jax.Array]) -> tuple[FofResult, tuple[jax.Array, ...]]:
-        local = jax.tree.unflatten(treedef, leaves)
-        view = particle_set(local, "fof.smap", global_view="fof.smap")
-        n = view.pos.shape[0]
-        valid = jnp.arange(n) < view.num
-        bad = jnp.sum(valid & ~jnp.all(jnp.isfinite(view.pos), axis=1)).astype(jnp.int32)
-        res = fof(local, static.linking_length, box=static.box, min_members=static.min_members,
-                  tuning=static.tuning, **sizes._asdict())
-        # One all-gather for the three flags (across processes each collective costs milliseconds).
-        every = allgather(jnp.concatenate([res.overflow.astype(jnp.int32)[None], res.needed, bad[None]]))
-        worst = jnp.max(every[:, :-1], axis=0)
-        span = mapped_bounds(view.pos, view.num) if static.box is not None else ()  # checked after the call
-        return res, (worst[0], worst[1:], jnp.sum(every[:, -1]), *span)
-
-    return body
-
-
-def _check_data(bad: Any, span: list[Any], box: Any) -> None:
-    """Raise ``ValueError`` for data outside the periodic box or not finite (flags of :func:`_smap_body`)."""
-    if span:  # before the other checks: counts of data in another box mean nothing
-        check_bounds(span[0], span[1], box, "fof.smap")
-    if int(bad):
-        raise ValueError(f"fof: {int(bad)} particle(s) have NaN or infinite coordinates in part.pos; remove or fix "
-                         "them")
-
-
-def _global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., FofResult]:
-    """``fof.smap(mesh=None, jit=True)``: :func:`fof` over global ``(ndev, n, ...)`` particle arrays.
-
-    The returned function takes the arguments of :func:`fof` (``linking_length`` and ``box`` as Python numbers: a
-    new value recompiles) and returns a :class:`FofResult` in the global view (``labels (ndev, n)``, catalogue
-    fields ``(ndev, g, ...)``). ``part`` is a global particle pytree or a plain ``(ndev, n, d)`` position array
-    (every row a particle).
-
-    Buffers left unset are sized automatically: ``halo_capacity`` starts at ``max(n // 16, 1024)`` rows and
-    ``sort_capacity`` at ``n``, and when a device needs more of any unset buffer (``edge_capacity``,
-    ``halo_capacity``, ``max_groups``, ``sort_capacity``) the call runs again with a quarter more than it needed, and
-    later calls with the same arguments start from the grown sizes (each new size compiles once). A buffer given
-    explicitly is never changed: its overflow raises :class:`shardax.CapacityError` naming it and the size needed.
-    ``ValueError`` for NaN or infinite positions. Constructors are cached per ``(mesh, jit)``, so calling
-    ``fof.smap(mesh)(...)`` repeatedly compiles once per argument structure.
-    """
-    cache: dict[tuple, Callable[..., Any]] = {}
-    grown: dict[tuple, dict[str, int]] = {}
-
-    def compiled(treedef: Any, static: _Static, sizes: Buffers) -> Callable[..., Any]:
-        key = (treedef, *static, *sizes)
-        if key not in cache:
-            cache[key] = smap(_smap_body(treedef, static, sizes), in_specs=(ALL,), out_specs=(ALL, P()), mesh=mesh,
-                              jit=jit, name="fof.smap")
-        return cache[key]
-
-    def call(part: Any, linking_length: float, *, box: Any = None, min_members: int = 20,
-             max_groups: int | None = None, edge_capacity: int | None = None, halo_capacity: int | None = None,
-             sort_capacity: int | None = None, tuning: Tuning | TuningName | None = None) -> FofResult:
-        tuning = resolve(tuning, "fof.smap", None if mesh is None else mesh.devices)
-        ndev, n = _global_shape(part)
-        pos = part if isinstance(part, jax.Array | np.ndarray) else part.pos
-        if isinstance(linking_length, bool) or not isinstance(linking_length, int | float | np.floating):
-            raise TypeError(f"fof.smap: linking_length must be a Python number, got {type(linking_length).__name__}")
-        if jnp.issubdtype(jnp.result_type(pos), jnp.floating):
-            _box_vector(box, int(jnp.shape(pos)[-1]), jnp.result_type(pos))
-        requested = _requested(edge_capacity=edge_capacity, halo_capacity=halo_capacity, max_groups=max_groups,
-                               sort_capacity=sort_capacity)
-        if ndev == 1 and n == 1:  # the one-device pair search needs two rows: add a padding row, drop its label
-            if pos is part:
-                part = Particles(pos=jnp.asarray(pos), num=jnp.ones((1,), jnp.int32))
-            res = call(pad_global(part, 1), linking_length, box=box, min_members=min_members, tuning=tuning,
-                       **requested._asdict())
-            return res._replace(labels=res.labels[:, :1])
-        static_box = None if box is None else (float(box) if np.ndim(box) == 0 else tuple(np.asarray(box).tolist()))
-        static = _Static(float(linking_length), static_box, min_members, tuning)
-        leaves, treedef = jax.tree.flatten(part)
-        auto = grown.setdefault((treedef, n, *static, *requested), {})
-        for _ in range(_AUTO_ROUNDS):
-            sizes = _start_sizes(requested, auto, n)
-            res, checks = compiled(treedef, static, sizes)(leaves)
-            if isinstance(checks[0], Tracer):
-                return res
-            any_overflow, needed, bad, *span = jax.device_get(checks)  # one transfer
-            _check_data(bad, span, box)
-            if not int(any_overflow):
-                return res
-            short = _short_buffers(np.asarray(needed), sizes, n=n, ndev=ndev, min_members=min_members)
-            if not short or any(getattr(requested, name) is not None for name in short):
-                break
-            auto.update(short)
-        _raise_capacity(np.asarray(needed), _device_buffers(sizes, n=n, devices=ndev, min_members=min_members))
-
-    return call
-
-
-def _start_sizes(requested: Buffers, grown: dict[str, int], n: int) -> Buffers:
-    """The buffer sizes of a run of ``fof.smap``: as requested, else as grown by earlier runs, else the default
-    (for the ghost rows the automatic start, a fraction of the ``n`` rows per device)."""
-    sizes = Buffers(*(given or grown.get(name) for name, given in requested._asdict().items()))
-    return sizes._replace(halo_capacity=sizes.halo_capacity or max(n // _AUTO_HALO_FRACTION, 1024))
-
-
-def _short_buffers(needed: np.ndarray, sizes: Buffers, *, n: int, ndev: int, min_members: int) -> dict[str, int]:
-    """The buffers of ``sizes`` that a call of ``fof.smap`` on ``ndev`` devices of ``n`` rows overflowed, each with
-    a quarter more than a device ``needed``; the ghost buffer doubled when an exchange overflowed without a count
-    over its buffer."""
-    have = _device_buffers(sizes, n=n, devices=ndev, min_members=min_members)
-    short = {name: k + k // 4 + 1 for name, k, h in zip(Buffers._fields, needed.tolist(), have, strict=True)
-             if k > h}
-    if not short and ndev > 1:
-        short = {"halo_capacity": 2 * have.halo_capacity}
-    return short
-
-
-def _raise_capacity(needed: np.ndarray, buffers: Buffers) -> NoReturn:
-    """Raise the :class:`CapacityError` of the first buffer (of ``buffers``) a device ``needed`` more of."""
-    # The sorted rows first: when a device overflows them, the other counts are of incomplete data.
-    for name, need, have in sorted(zip(Buffers._fields, needed.tolist(), buffers, strict=True),
-                                   key=lambda item: item[0] != "sort_capacity"):
-        if need > have:
-            raise CapacityError(f"fof: a device needed {need} rows of {name} but has {have}; pass "
-                                f"{name}={need + need // 4 + 1}",
-                                needed=need + need // 4 + 1, available=have, argument=name)
-    halo = buffers.halo_capacity
-    raise CapacityError("fof: an exchange between devices overflowed; raise halo_capacity",
-                        needed=2 * max(halo, 1), available=halo, argument="halo_capacity")
-
-
-attach_global(fof, _global_fof)
