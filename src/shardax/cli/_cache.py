@@ -10,9 +10,13 @@ differs between the processes of one run: the entries process 0 writes (JAX writ
 found by the others, which compiled everything again on every run. The jobs key CPU programs by their devices' kinds
 and count instead (what JAX itself does for backends without a topology fingerprint); the program, its device
 assignment, the compile options, the backend version and the XLA flags stay in the key, so the same program on
-every process of a run gets the same key and loads the same executable. (JAX's
-``jax_share_binary_between_hosts``, which would also spare the other processes the first compilation, is left off:
-where keys still differ, e.g. on GPUs, its processes wait for each other's keys until a 20-minute timeout.)
+every process of a run gets the same key and loads the same executable.
+
+Because the keys agree on CPU, a multi-process CPU job also shares its first compilation
+(:func:`share_compiled_programs`): process 0 compiles each program and hands the executable to the others through
+the run's coordination service (JAX's ``jax_share_binary_between_hosts``), instead of every process compiling the
+same program at once on cores they share. It stays off elsewhere: where keys differ (e.g. on GPUs) the other
+processes would wait for an executable under a key nobody writes, until a 20-minute timeout.
 """
 
 from __future__ import annotations
@@ -87,3 +91,20 @@ def use_compilation_cache(enabled: bool) -> str | None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     _same_key_on_every_process()
     return path
+
+
+def share_compiled_programs(world: Any) -> bool:
+    """On a CPU run of several processes with the cache on, let process 0 compile each program and the other
+    processes load its executable (module docstring); call after :func:`shardax.initialize`. Programs with host
+    callbacks still compile on every process (JAX does not share them).
+
+    Returns:
+        Whether sharing is on.
+    """
+    import jax
+
+    cached = bool(getattr(jax.config, "jax_enable_compilation_cache", False)
+                  and getattr(jax.config, "jax_compilation_cache_dir", None))
+    share = cached and world.platform == "cpu" and world.num_processes > 1
+    jax.config.update("jax_share_binary_between_hosts", share)
+    return share

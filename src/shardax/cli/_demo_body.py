@@ -31,7 +31,7 @@ def run_demo(ns: argparse.Namespace, *, print_table: bool) -> int:
     """
     from .._errors import DistributedSetupError
     from ..runtime import initialize
-    from ._cache import use_compilation_cache
+    from ._cache import share_compiled_programs, use_compilation_cache
     from ._demo_plots import write_plots
     from ._demo_stages import COMPILES, STAGES, Context, Sizes
     from ._progress import watch_compiles
@@ -39,6 +39,7 @@ def run_demo(ns: argparse.Namespace, *, print_table: bool) -> int:
     use_compilation_cache(not getattr(ns, "no_cache", False))
     try:
         world = initialize(cpu_devices=ns.cpu_devices)
+        share_compiled_programs(world)
     except DistributedSetupError as err:
         sys.stderr.write(f"shardax demo: {err}\n")
         return 1

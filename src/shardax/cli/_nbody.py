@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from ..runtime import detect_launch as detect
-from ._cache import cache_help, use_compilation_cache
+from ._cache import cache_help, share_compiled_programs, use_compilation_cache
 from ._nbody_progress import ProgressPrinter, ProgressSink
 
 DEFAULT_PROCESSES = 2
@@ -148,7 +148,7 @@ def _run_here(ns: argparse.Namespace, *, cpu_devices: int | None) -> int:
     from ._nbody_job import options_from_namespace, run_job
 
     try:
-        initialize(cpu_devices=cpu_devices)
+        share_compiled_programs(initialize(cpu_devices=cpu_devices))
         run_job(options_from_namespace(ns), plain=ns.plain)
     except (ValueError, OSError) as err:
         sys.stderr.write(f"shardax nbody: {err}\n")
