@@ -166,8 +166,9 @@ def test_same_catalogue_at_one_and_two_processes(tmp_path) -> None:
 
 @pytest.mark.multiprocess
 def test_every_process_loads_the_cached_programs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the jobs' cache settings, the second run of a 2-process program loads it from the cache on every process
-    (the per-process CPU topology fingerprint no longer splits the key), and the result is the same."""
+    """With the jobs' cache settings, the first run of a 2-process program compiles it on process 0 only (process 1
+    loads the shared executable), the second run loads it from the cache on every process (the per-process CPU
+    topology fingerprint no longer splits the key), and the result is the same."""
     script = Path(__file__).parent / "scripts" / "cache_keys.py"
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "cache"))
     runs = []
@@ -180,3 +181,4 @@ def test_every_process_loads_the_cached_programs(tmp_path: Path, monkeypatch: py
         second = next(line for line in runs[1].splitlines() if f"process {rank}:" in line)
         assert "total 60.0" in first and "total 60.0" in second, (first, second)   # 4 devices x 5 x 3
         assert " misses 0 " in second and " hits 0 " not in second, second
+        assert " shared True " in first and (" compiled 0 " in first) == (rank == 1), first
