@@ -40,8 +40,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for name, mesh in (("one_device", make_mesh((1,))), ("devices_8", make_mesh((8,)))):
         run_job(dataclasses.replace(OPTIONS, out=str(outs[name])), mesh=mesh, show=False)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDAX_", "JAX_NUM_CPU"))}
+    # The job's own cache settings in an empty cache of this run: process 0 compiles, process 1 loads its programs.
+    env["JAX_COMPILATION_CACHE_DIR"] = str(root / "jax_cache")
     proc = subprocess.run([sys.executable, "-m", "shardax.cli", "nbody", *_cli_args(OPTIONS, outs["processes_2x4"]),
-                           "--processes", "2", "--cpu-devices", "4", "--no-cache", "--plain"],
+                           "--processes", "2", "--cpu-devices", "4", "--plain"],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (root / "processes_2x4.log").write_text(proc.stdout)
