@@ -108,6 +108,28 @@ def test_cache_is_used_and_inherited(tmp_path) -> None:
     assert proc.stdout.split() == [want, want, "0", "True", "None", "false"]
 
 
+def test_first_compilation_shared_only_on_several_cpu_processes_with_the_cache(tmp_path) -> None:
+    """Sharing the first compilation (process 0 compiles, the others load) is on only for a CPU run of several
+    processes with the jobs' cache on; on GPUs, on one process and with the cache off it stays off."""
+    code = ("import jax\n"
+            "from types import SimpleNamespace as W\n"
+            "from shardax.cli._cache import share_compiled_programs, use_compilation_cache\n"
+            "use_compilation_cache(True)\n"
+            "got = [share_compiled_programs(W(platform='cpu', num_processes=2)), "
+            "jax.config.jax_share_binary_between_hosts, "
+            "share_compiled_programs(W(platform='gpu', num_processes=2)), "
+            "share_compiled_programs(W(platform='cpu', num_processes=1))]\n"
+            "use_compilation_cache(False)\n"
+            "got += [share_compiled_programs(W(platform='cpu', num_processes=2)), "
+            "jax.config.jax_share_binary_between_hosts]\n"
+            "print(*got)\n")
+    env = {k: v for k, v in os.environ.items() if k not in _CACHE_ENV}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "True", "False", "False", "False", "False"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--linking-length", "-1"], "--linking-length must be positive"),
     (["--min-members", "0"], "--min-members must be a positive integer"),

@@ -65,6 +65,16 @@ def _same_key_on_every_process() -> None:
     cache_key._hash_accelerator_config = hash_accelerator_config
 
 
+def _keys_agree() -> bool:
+    """Whether :func:`_same_key_on_every_process` is in place (a JAX whose cache-key module it could not patch keeps
+    per-process keys, and sharing would make the other processes wait for keys nobody writes)."""
+    try:
+        from jax._src import cache_key
+    except ImportError:  # pragma: no cover - another JAX layout
+        return False
+    return bool(getattr(getattr(cache_key, "_hash_accelerator_config", None), "shardax_cpu_key", False))
+
+
 def use_compilation_cache(enabled: bool) -> str | None:
     """Turn JAX's persistent compilation cache on (every program, however fast it compiled) or off, for this
     process and the processes it starts. A ``JAX_COMPILATION_CACHE_DIR`` already set is kept.
@@ -94,9 +104,10 @@ def use_compilation_cache(enabled: bool) -> str | None:
 
 
 def share_compiled_programs(world: Any) -> bool:
-    """On a CPU run of several processes with the cache on, let process 0 compile each program and the other
-    processes load its executable (module docstring); call after :func:`shardax.initialize`. Programs with host
-    callbacks still compile on every process (JAX does not share them).
+    """On a CPU run of several processes with the cache on (and its keys the same on every process), let process 0
+    compile each program and the other processes load its executable (module docstring); call after
+    :func:`shardax.initialize`. Programs with host callbacks still compile on every process (JAX does not share
+    them).
 
     Returns:
         Whether sharing is on.
@@ -105,6 +116,6 @@ def share_compiled_programs(world: Any) -> bool:
 
     cached = bool(getattr(jax.config, "jax_enable_compilation_cache", False)
                   and getattr(jax.config, "jax_compilation_cache_dir", None))
-    share = cached and world.platform == "cpu" and world.num_processes > 1
+    share = cached and _keys_agree() and world.platform == "cpu" and world.num_processes > 1
     jax.config.update("jax_share_binary_between_hosts", share)
     return share
