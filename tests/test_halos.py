@@ -92,6 +92,16 @@ def test_forwarded_arguments_round_trip() -> None:
         {k: v for k, v in vars(ns).items() if k not in ("processes", "timeout")}
 
 
+def _fresh_process(code: str, home: Path) -> list[str]:
+    """The words ``code`` prints in a new Python process, without this run's cache settings and with its per-user
+    cache under ``home`` (the jobs' cache settings change the process they run in)."""
+    env = {k: v for k, v in os.environ.items() if k not in _CACHE_ENV}
+    env["XDG_CACHE_HOME"] = str(home)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split()
+
+
 def test_cache_is_used_and_inherited(tmp_path) -> None:
     """The jobs' cache: a per-user directory that the launched processes inherit, filled by a compile."""
     code = ("import os, jax, jax.numpy as jnp\n"
@@ -100,12 +110,8 @@ def test_cache_is_used_and_inherited(tmp_path) -> None:
             "jax.jit(lambda x: jnp.sin(x) * 3)(jnp.arange(5.0)).block_until_ready()\n"
             "print(path, os.environ['JAX_COMPILATION_CACHE_DIR'], os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'],"
             " len(os.listdir(path)) > 0, use_compilation_cache(False), os.environ['JAX_ENABLE_COMPILATION_CACHE'])\n")
-    env = {k: v for k, v in os.environ.items() if k not in _CACHE_ENV}
-    env["XDG_CACHE_HOME"] = str(tmp_path)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0, proc.stderr
     want = str(tmp_path / "shardax" / "jax")
-    assert proc.stdout.split() == [want, want, "0", "True", "None", "false"]
+    assert _fresh_process(code, tmp_path) == [want, want, "0", "True", "None", "false"]
 
 
 def test_first_compilation_shared_only_on_several_cpu_processes_with_the_cache(tmp_path) -> None:
@@ -123,11 +129,7 @@ def test_first_compilation_shared_only_on_several_cpu_processes_with_the_cache(t
             "got += [share_compiled_programs(W(platform='cpu', num_processes=2)), "
             "jax.config.jax_share_binary_between_hosts]\n"
             "print(*got)\n")
-    env = {k: v for k, v in os.environ.items() if k not in _CACHE_ENV}
-    env["XDG_CACHE_HOME"] = str(tmp_path)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["True", "True", "False", "False", "False", "False"]
+    assert _fresh_process(code, tmp_path) == ["True", "True", "False", "False", "False", "False"]
 
 
 @pytest.mark.parametrize("args, message", [
