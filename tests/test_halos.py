@@ -105,7 +105,7 @@ def _fresh_process(code: str, home: Path) -> list[str]:
 def test_cache_is_used_and_inherited(tmp_path) -> None:
     """The jobs' cache: a per-user directory that the launched processes inherit, filled by a compile."""
     code = ("import os, jax, jax.numpy as jnp\n"
-            "from shardax.cli._cache import use_compilation_cache\n"
+            "from shardax._compile_cache import use_compilation_cache\n"
             "path = use_compilation_cache(True)\n"
             "jax.jit(lambda x: jnp.sin(x) * 3)(jnp.arange(5.0)).block_until_ready()\n"
             "print(path, os.environ['JAX_COMPILATION_CACHE_DIR'], os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'],"
@@ -119,7 +119,7 @@ def test_first_compilation_shared_only_on_several_cpu_processes_with_the_cache(t
     processes with the jobs' cache on; on GPUs, on one process and with the cache off it stays off."""
     code = ("import jax\n"
             "from types import SimpleNamespace as W\n"
-            "from shardax.cli._cache import share_compiled_programs, use_compilation_cache\n"
+            "from shardax._compile_cache import share_compiled_programs, use_compilation_cache\n"
             "use_compilation_cache(True)\n"
             "got = [share_compiled_programs(W(platform='cpu', num_processes=2)), "
             "jax.config.jax_share_binary_between_hosts, "

@@ -5,7 +5,7 @@ the first compilation shared, only process 0 does). tests/test_halos.py reads th
 import sys
 
 import shardax as sx
-from shardax.cli._cache import share_compiled_programs, use_compilation_cache
+from shardax._compile_cache import share_compiled_programs, use_compilation_cache
 
 use_compilation_cache(True)   # JAX_COMPILATION_CACHE_DIR from the test
 shared = share_compiled_programs(sx.initialize())

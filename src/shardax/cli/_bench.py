@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from .._compile_cache import default_cache_dir
 from ..runtime import JobResult, ProcessSpec, Stream, launch, mpirun_spec, process_env, run_processes
 from ._bench_cases import KERNELS, Kernel, Target, kernels
-from ._cache import default_cache_dir
 
 _QUICK_DEVICES = "1,8"
 _FULL_DEVICES = "1,2,4,8,2x4"

@@ -7,8 +7,8 @@ as ``__main__`` would load it a second time (with a RuntimeWarning).
 import os
 import sys
 
+from .._compile_cache import use_compilation_cache
 from ._bench_cases import worker
-from ._cache import use_compilation_cache
 
 if os.environ.get("JAX_ENABLE_COMPILATION_CACHE") == "true":
     use_compilation_cache(True)  # the directory shardax bench chose, with the same keys on every process

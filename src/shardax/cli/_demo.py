@@ -15,9 +15,9 @@ import threading
 import time
 from collections.abc import Sequence
 
+from .._compile_cache import cache_help, use_compilation_cache
 from ..runtime import ConsoleSink, Stream, launch
 from ..runtime import detect_launch as detect
-from ._cache import cache_help, use_compilation_cache
 from ._demo_table import REPORT_NAME, Report, exit_code, print_report, read_report
 
 DEFAULT_CPU_DEVICES = 4

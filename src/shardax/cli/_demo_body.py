@@ -29,9 +29,9 @@ def run_demo(ns: argparse.Namespace, *, print_table: bool) -> int:
     Returns:
         On process 0: 0 if every check passed, else 1. On the other processes: 0 (process 0 holds the verdict).
     """
+    from .._compile_cache import share_compiled_programs, use_compilation_cache
     from .._errors import DistributedSetupError
     from ..runtime import initialize
-    from ._cache import share_compiled_programs, use_compilation_cache
     from ._demo_plots import write_plots
     from ._demo_stages import COMPILES, STAGES, Context, Sizes
     from ._progress import watch_compiles

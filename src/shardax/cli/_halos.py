@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from .._compile_cache import cache_help, share_compiled_programs, use_compilation_cache
 from ..runtime import ENV_NUM_PROCESSES
-from ._cache import cache_help, share_compiled_programs, use_compilation_cache
 from ._progress import Progress
 
 CATALOGUE = "fof_tab_000.hdf5"

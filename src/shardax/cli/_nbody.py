@@ -14,8 +14,8 @@ import math
 import sys
 from collections.abc import Sequence
 
+from .._compile_cache import cache_help, share_compiled_programs, use_compilation_cache
 from ..runtime import detect_launch as detect
-from ._cache import cache_help, share_compiled_programs, use_compilation_cache
 from ._nbody_progress import ProgressPrinter, ProgressSink
 
 DEFAULT_PROCESSES = 2

@@ -132,6 +132,12 @@ def run_distributed(fn: Callable[..., Any], *args: Any, num_processes: int = 2, 
     ``fn(*args)`` and pickles the result (fully addressable JAX arrays become NumPy arrays). Keep module-level code
     of that file free of JAX computations: the backend must not start before ``sx.initialize()``.
 
+    The processes compile each program once: JAX's persistent compilation cache is on in them (in a temporary
+    directory, unless the environment sets ``JAX_COMPILATION_CACHE_DIR`` or ``JAX_ENABLE_COMPILATION_CACHE=false``),
+    and on CPU process 0 compiles every program that spans several processes and hands the executable to the
+    others. With the cache on, CPU sorts run in XLA rather than in NumPy (``SHARDAX_HOST_SORT=1`` in the environment
+    keeps NumPy's, and those programs compile on every process); results are the same bits either way.
+
     Args:
         fn: a module-level function; its return value must be picklable (use NumPy arrays).
         *args: picklable arguments for ``fn``, the same for every process.
@@ -178,6 +184,9 @@ def run_distributed(fn: Callable[..., Any], *args: Any, num_processes: int = 2, 
         argv = ["-m", "shardax.testing._child", spec_path]
         sink = CaptureSink()
         env = _importable_env(cpu_devices)
+        if num_processes > 1 and not env.get("JAX_COMPILATION_CACHE_DIR") and \
+                env.get("JAX_ENABLE_COMPILATION_CACHE", "").lower() not in ("0", "false"):
+            env.update(JAX_COMPILATION_CACHE_DIR=os.path.join(tmp, "jax_cache"), JAX_ENABLE_COMPILATION_CACHE="true")
         if mpirun is None:
             result = runtime.launch(argv, num_processes=num_processes, cpu_devices=cpu_devices,
                                     timeout_s=timeout_s, env=env, sink=sink)

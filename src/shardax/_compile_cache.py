@@ -1,4 +1,5 @@
-"""The persistent compilation cache of the CLI jobs (``halos``, ``demo``, ``bench``).
+"""JAX's persistent compilation cache and shared first compilations, for the CLI jobs (``halos``, ``nbody``,
+``demo``, ``bench``) and the processes of :func:`shardax.testing.run_distributed`.
 
 JAX compiles every program of a job on its first run; with the cache on, a second identical run loads them from disk.
 The settings go into this process's JAX configuration and into the environment, so the processes a job launches
