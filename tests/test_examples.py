@@ -1,5 +1,9 @@
 """Every script in examples/ runs green as 2 processes x 4 CPU devices through the launcher (and, for the
-single-process-capable ones, as a plain `python` run)."""
+single-process-capable ones, as a plain `python` run).
+
+These launches run without JAX's compilation cache, as a user's script does by default, so their sorts on CPU take
+NumPy's host sort at 2 processes (the FoF and z-order examples); ``sx.testing.run_distributed``'s launches turn the
+cache on and sort in XLA."""
 
 from __future__ import annotations
 

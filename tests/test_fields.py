@@ -48,6 +48,23 @@ def test_paint_matches_numpy_and_conserves_mass(mesh_shape: tuple[int, ...]) -> 
     assert np.all(np.asarray(values)[np.arange(values.shape[1])[None, :] >= num[:, None]] == 0)
 
 
+@pytest.mark.parametrize("mesh_shape", [(1,), (2, 4)], ids=str)
+def test_readout_of_stacked_components(mesh_shape: tuple[int, ...]) -> None:
+    """Trailing axes of the field are components read in one trip: each the same bits as its own readout."""
+    mesh = make_mesh(mesh_shape)
+    part, _, _ = _particles(mesh, seed=2)
+    rho = sx.fields.paint(part, (16, 16, 16), box=1.0)
+    fields = jnp.stack([rho, jnp.sqrt(rho), -rho], axis=-1)
+    values = sx.fields.readout(fields, part, box=1.0)
+    assert values.shape == (*part.pos.shape[:2], 3)
+    for c in range(3):
+        np.testing.assert_array_equal(np.asarray(values[..., c]), np.asarray(sx.fields.readout(fields[..., c], part,
+                                                                                                 box=1.0)))
+    with pytest.raises(ValueError, match="3D block"):
+        sx.fields.local_readout(jnp.zeros((4, 4)), sx.particles.Particles(pos=jnp.zeros((2, 3)), num=jnp.int32(2)),
+                                box=1.0)
+
+
 def test_other_field_splits_and_boxes() -> None:
     mesh = make_mesh((2, 4))
     part, _, _ = _particles(mesh, n=1500, seed=1)

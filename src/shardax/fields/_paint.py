@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,6 +66,21 @@ def _local_corner(lower: jax.Array, corner: tuple[int, ...], grid: Grid, starts:
     return tuple(index)
 
 
+def _flat_corner(lower: jax.Array, corner: tuple[int, ...], grid: Grid, starts: list[jax.Array | int],
+                 padded: Sequence[int]) -> jax.Array:
+    """:func:`_local_corner` as one row-major index into the padded block, ``prod(padded)`` where it falls outside.
+
+    XLA scatters and gathers with one index per update several times faster than with three (CPU: a 128^3 paint
+    of 2M particles 180 -> 93 ms, a readout 145 -> 27 ms); the bits are the same, as updates keep their order."""
+    index = _local_corner(lower, corner, grid, starts)
+    flat = jnp.zeros_like(index[0])
+    inside = jnp.ones(index[0].shape, bool)
+    for i, extent in zip(index, padded, strict=True):
+        flat = flat * extent + i
+        inside = inside & (i >= 0) & (i < extent)
+    return jnp.where(inside, flat, math.prod(padded))
+
+
 def fold_halo(padded: jax.Array, grid: Grid) -> jax.Array:
     """Add the high halo plane of every split axis to the first plane of the next device (periodic), then drop it.
 
@@ -90,6 +106,15 @@ def extend_halo(block: jax.Array, grid: Grid) -> jax.Array:
         received = comm.shift(jax.lax.slice_in_dim(block, 0, 1, axis=dim), -1, axis=group)
         block = jnp.concatenate([block, received], axis=dim)
     return block
+
+
+def _padded_shape(grid: Grid) -> tuple[int, ...]:
+    """This device's block with one halo plane on the high side of every split axis."""
+    shape = tuple(b + (1 if g else 0) for b, g in zip(grid.block, grid.split, strict=True))
+    if math.prod(shape) >= 2**31:
+        raise ValueError(f"a device's block of {shape} grid points (halo included) is too large for int32 indices; "
+                         "spread the field over more devices")
+    return shape
 
 
 def _weights(frac: jax.Array, corner: tuple[int, ...]) -> jax.Array:
@@ -180,13 +205,13 @@ def local_paint(part: Any, shape: Sequence[int], *, box: Any, spec: Any = None, 
     received = jnp.arange(capacity, dtype=jnp.int32) < num
     lower, frac = cell_index(jnp.where(received[:, None], moved["pos"], 0), grid)
     weight = jnp.where(received, moved["mass"], 0)
-    padded_shape = tuple(b + (1 if g else 0) for b, g in zip(grid.block, grid.split, strict=True))
+    padded_shape = _padded_shape(grid)
     starts = grid.block_start()
-    padded = jnp.zeros(padded_shape, part.pos.dtype)
+    padded = jnp.zeros((math.prod(padded_shape),), part.pos.dtype)
     for corner in _CORNERS:
-        index = _local_corner(lower, corner, grid, starts)
+        index = _flat_corner(lower, corner, grid, starts, padded_shape)
         padded = padded.at[index].add(weight * _weights(frac, corner), mode="drop")
-    return fold_halo(padded, grid), needed
+    return fold_halo(padded.reshape(padded_shape), grid), needed
 
 
 def local_readout(field: jax.Array, part: Any, *, box: Any, spec: Any = None, capacity: int | None = None
@@ -195,18 +220,19 @@ def local_readout(field: jax.Array, part: Any, *, box: Any, spec: Any = None, ca
 
     Particles travel to the device owning their lower grid point, read the 8 surrounding grid points from the
     block extended by the next device's first plane along every split axis, and the values travel back to the
-    particles' rows.
+    particles' rows. Trailing axes of ``field`` are components read together: one trip of the particles for all of
+    them (e.g. the three components of a force, stacked on the last axis).
 
     Args:
-        field: this device's block of the field.
+        field: this device's block of the field, `(b0, b1, b2)` or `(b0, b1, b2, *components)`.
         part: particles (`pos (n, 3)`, `num`).
         box: periodic box size, one number or three.
-        spec: the field's split over mesh axes; ignored outside ``smap``.
+        spec: the field's split over mesh axes (of its first three axes); ignored outside ``smap``.
         capacity: particles a device may receive (default: the capacity of ``part``).
 
     Returns:
-        ``(values, needed)``: `values (n,)` aligned with ``part``'s rows (0 on padding rows) and the most particles
-        any device had to receive.
+        ``(values, needed)``: `values (n, *components)` aligned with ``part``'s rows (0 on padding rows) and the
+        most particles any device had to receive.
 
     Example:
         >>> import jax.numpy as jnp, shardax as sx
@@ -218,27 +244,32 @@ def local_readout(field: jax.Array, part: Any, *, box: Any, spec: Any = None, ca
     """
     _check(part, "local_readout")
     check_part(part, box, "local_readout")
-    if np.ndim(field) != 3:
-        raise ValueError(f"local_readout: field must be this device's 3D block, got shape {np.shape(field)}")
-    grid = Grid.from_block(np.shape(field), spec, box, "local_readout")
+    if np.ndim(field) < 3:
+        raise ValueError(f"local_readout: field must be this device's 3D block (with optional trailing component "
+                         f"axes), got shape {np.shape(field)}")
+    grid = Grid.from_block(np.shape(field)[:3], spec, box, "local_readout")
+    components = tuple(np.shape(field)[3:])
     capacity = _capacity(capacity, part)
     n = row_count(part)
     rank, size, _ = rank_info()
     extra = {} if size == 1 else {"row": jnp.arange(n, dtype=jnp.int32), "origin": jnp.full((n,), rank, jnp.int32)}
     moved, num, needed = _to_owners(part, grid, capacity, extra)
-    padded = extend_halo(field, grid)
+    padded_shape = _padded_shape(grid)
+    padded = extend_halo(field, grid).reshape(math.prod(padded_shape), *components)
     received = jnp.arange(capacity, dtype=jnp.int32) < num
     lower, frac = cell_index(jnp.where(received[:, None], moved["pos"], 0), grid)
     starts = grid.block_start()
-    values = jnp.zeros((capacity,), jnp.result_type(field))
+    values = jnp.zeros((capacity, *components), jnp.result_type(field))
     for corner in _CORNERS:
-        index = _local_corner(lower, corner, grid, starts)
-        values = values + padded.at[index].get(mode="fill", fill_value=0) * _weights(frac, corner)
+        index = _flat_corner(lower, corner, grid, starts, padded_shape)
+        weight = _weights(frac, corner).reshape((capacity,) + (1,) * len(components))
+        values = values + jnp.take(padded, index, axis=0, mode="fill", fill_value=0) * weight
     if size == 1:  # the rows never left
-        return jnp.where(jnp.arange(n, dtype=jnp.int32) < num, _resized(values, n), 0), needed
+        kept = (jnp.arange(n, dtype=jnp.int32) < num).reshape((n,) + (1,) * len(components))
+        return jnp.where(kept, _resized(values, n), 0), needed
     back, _, _ = comm.exchange({"value": values, "row": moved["row"]}, moved["origin"], num=num, capacity=n)
     rows = jnp.where(jnp.arange(n, dtype=jnp.int32) < part.num, back["row"], n)
-    out = jnp.zeros((n,), values.dtype).at[rows].set(back["value"], mode="drop")
+    out = jnp.zeros((n, *components), values.dtype).at[rows].set(back["value"], mode="drop")
     return out, needed
 
 
@@ -356,7 +387,8 @@ def readout(field: jax.Array, part: Any, *, box: Any, mesh: Mesh | None = None, 
     """Cloud-in-cell interpolation of a distributed field at distributed particles (the transpose of :func:`paint`).
 
     Args:
-        field: global field `(n0, n1, n2)` (its sharding gives the mesh and spec unless passed).
+        field: global field `(n0, n1, n2)`, or `(n0, n1, n2, *components)` to read several components in one trip
+            of the particles (its sharding gives the mesh and spec unless passed).
         part: global particles (fields `(ndev, cap, ...)`, `num (ndev,)`).
         box: periodic box size, one number or three.
         mesh: the mesh (default: the field's).
@@ -364,7 +396,8 @@ def readout(field: jax.Array, part: Any, *, box: Any, mesh: Mesh | None = None, 
         capacity: particles a device may receive (default: the particle capacity).
 
     Returns:
-        `(ndev, cap)` interpolated values aligned with ``part``'s rows (0 on padding rows), sharded like ``part``.
+        `(ndev, cap, *components)` interpolated values aligned with ``part``'s rows (0 on padding rows), sharded
+        like ``part``.
 
     Example:
         >>> import numpy as np, shardax as sx
