@@ -76,6 +76,20 @@ def _keys_agree() -> bool:
     return bool(getattr(getattr(cache_key, "_hash_accelerator_config", None), "shardax_cpu_key", False))
 
 
+def cache_env(path: str) -> dict[str, str]:
+    """The environment that turns the cache on in ``path`` for every program, however quickly it compiled (JAX's
+    defaults skip those under 1 s), in this process or the processes it starts."""
+    return {_ENV_DIR: path, _ENV_ENABLE: "true", _ENV_MIN_TIME: "0", _ENV_MIN_SIZE: "0"}
+
+
+def cache_env_unless_set(env: dict[str, str], path: str) -> dict[str, str]:
+    """``env`` with :func:`cache_env` of ``path``, unless it already names a cache directory or turns the cache
+    off."""
+    if env.get(_ENV_DIR) or env.get(_ENV_ENABLE, "").lower() in ("0", "false"):
+        return env
+    return {**env, **cache_env(path)}
+
+
 def use_compilation_cache(enabled: bool) -> str | None:
     """Turn JAX's persistent compilation cache on (every program, however fast it compiled) or off, for this
     process and the processes it starts. A ``JAX_COMPILATION_CACHE_DIR`` already set is kept.
@@ -94,8 +108,7 @@ def use_compilation_cache(enabled: bool) -> str | None:
         os.makedirs(path, exist_ok=True)
     except OSError:
         return None  # an unwritable home: run without the cache rather than fail
-    settings = {_ENV_DIR: path, _ENV_ENABLE: "true", _ENV_MIN_TIME: "0", _ENV_MIN_SIZE: "0"}
-    os.environ.update(settings)
+    os.environ.update(cache_env(path))
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .._compile_cache import default_cache_dir
+from .._compile_cache import cache_env, default_cache_dir
 from ..runtime import JobResult, ProcessSpec, Stream, launch, mpirun_spec, process_env, run_processes
 from ._bench_cases import KERNELS, Kernel, Target, kernels
 
@@ -342,9 +342,7 @@ def _run_worker(config: DeviceConfig, cases: list[tuple[str, int]], repeat: int,
     if cpu:
         env["JAX_PLATFORMS"] = "cpu"
     if cache_dir is not None:
-        # Every program, however quickly it compiled (JAX's defaults skip those under 1 s).
-        env.update({"JAX_COMPILATION_CACHE_DIR": cache_dir, "JAX_ENABLE_COMPILATION_CACHE": "true",
-                    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"})
+        env.update(cache_env(cache_dir))
     else:
         env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     argv = ["-m", "shardax.cli._bench_worker", plan]

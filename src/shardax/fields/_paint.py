@@ -56,26 +56,18 @@ def _to_owners(part: Any, grid: Grid, capacity: int, extra: dict[str, jax.Array]
     return moved, num, needed
 
 
-def _local_corner(lower: jax.Array, corner: tuple[int, ...], grid: Grid, starts: list[jax.Array | int]
-                  ) -> tuple[jax.Array, ...]:
-    """Index of a CIC corner in the block padded by one halo plane on the high side of every split axis."""
-    index = []
-    for dim, group in enumerate(grid.split):
-        i = lower[:, dim] + corner[dim]
-        index.append(i - starts[dim] if group else jnp.mod(i, grid.shape[dim]))
-    return tuple(index)
-
-
 def _flat_corner(lower: jax.Array, corner: tuple[int, ...], grid: Grid, starts: list[jax.Array | int],
                  padded: Sequence[int]) -> jax.Array:
-    """:func:`_local_corner` as one row-major index into the padded block, ``prod(padded)`` where it falls outside.
+    """Row-major index of a CIC corner in the block padded by one halo plane on the high side of every split axis,
+    ``prod(padded)`` where it falls outside.
 
     XLA scatters and gathers with one index per update several times faster than with three (CPU: a 128^3 paint
     of 2M particles 180 -> 93 ms, a readout 145 -> 27 ms); the bits are the same, as updates keep their order."""
-    index = _local_corner(lower, corner, grid, starts)
-    flat = jnp.zeros_like(index[0])
-    inside = jnp.ones(index[0].shape, bool)
-    for i, extent in zip(index, padded, strict=True):
+    flat = jnp.zeros_like(lower[:, 0])
+    inside = jnp.ones(lower.shape[:1], bool)
+    for dim, (group, extent) in enumerate(zip(grid.split, padded, strict=True)):
+        i = lower[:, dim] + corner[dim]
+        i = i - starts[dim] if group else jnp.mod(i, grid.shape[dim])
         flat = flat * extent + i
         inside = inside & (i >= 0) & (i < extent)
     return jnp.where(inside, flat, math.prod(padded))

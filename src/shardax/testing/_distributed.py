@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from .. import runtime
+from .._compile_cache import cache_env_unless_set
 from ..runtime import CaptureSink, JobResult
 
 Launcher = Literal["shardax", "mpirun"]
@@ -184,9 +185,8 @@ def run_distributed(fn: Callable[..., Any], *args: Any, num_processes: int = 2, 
         argv = ["-m", "shardax.testing._child", spec_path]
         sink = CaptureSink()
         env = _importable_env(cpu_devices)
-        if num_processes > 1 and not env.get("JAX_COMPILATION_CACHE_DIR") and \
-                env.get("JAX_ENABLE_COMPILATION_CACHE", "").lower() not in ("0", "false"):
-            env.update(JAX_COMPILATION_CACHE_DIR=os.path.join(tmp, "jax_cache"), JAX_ENABLE_COMPILATION_CACHE="true")
+        if num_processes > 1:  # (process 0 compiles each program once for all: shardax.testing._child)
+            env = cache_env_unless_set(env, os.path.join(tmp, "jax_cache"))
         if mpirun is None:
             result = runtime.launch(argv, num_processes=num_processes, cpu_devices=cpu_devices,
                                     timeout_s=timeout_s, env=env, sink=sink)
