@@ -114,8 +114,10 @@ def partial_sums(pos: jax.Array, mass: jax.Array, vel: jax.Array, segment: jax.A
         A :class:`Partial` with ``num_segments`` rows (empty segments have count 0).
     """
     n = pos.shape[0]
+    # Rows outside every segment get an index past the last and are dropped: one extra segment would collect them
+    # all, and a GPU serialises millions of adds onto its one address.
     seg = jnp.where(valid, segment, num_segments)
-    segs = num_segments + 1
+    segs = num_segments
     m = jnp.where(valid, mass, 0).astype(pos.dtype)
     first_row = jax.ops.segment_min(jnp.arange(n, dtype=jnp.int32), seg, segs)[:num_segments]
     ref = pos[jnp.clip(first_row, 0, n - 1)]
@@ -134,8 +136,8 @@ def combine(parts: Partial, segment: jax.Array, valid: jax.Array, num_segments: 
             box: jax.Array | None) -> Partial:
     """Combine rows of ``parts`` (pieces of groups) by ``segment``; rows without ``valid`` are ignored."""
     n = parts.count.shape[0]
-    seg = jnp.where(valid, segment, num_segments)
-    segs = num_segments + 1
+    seg = jnp.where(valid, segment, num_segments)  # invalid rows dropped, as in partial_sums
+    segs = num_segments
     first_row = jax.ops.segment_min(jnp.arange(n, dtype=jnp.int32), seg, segs)[:num_segments]
     ref = parts.com[jnp.clip(first_row, 0, n - 1)]
     seg_row = jnp.minimum(seg, num_segments - 1)

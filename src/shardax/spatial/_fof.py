@@ -116,9 +116,11 @@ def requested_buffers(**sizes: int | None) -> Buffers:
     return Buffers(**{name: _positive_int(value, name, allow_none=True) for name, value in sizes.items()})
 
 
-def box_vector(box: Any, dim: int, dtype: Any) -> jax.Array | None:
+def check_box(box: Any, dim: int, dtype: Any) -> None:
+    """The errors of :func:`box_vector` for ``box``, raised on the host without device work (``fof.smap`` checks
+    before its call: on a GPU every eager array operation is a launch and a wait)."""
     if box is None:
-        return None
+        return
     if isinstance(box, bool) or not isinstance(box, int | float | tuple | list | jax.Array | np.ndarray | np.generic):
         raise TypeError(f"box must be None, a positive number or a sequence of {dim} numbers, got "
                         f"{type(box).__name__}")
@@ -128,11 +130,18 @@ def box_vector(box: Any, dim: int, dtype: Any) -> jax.Array | None:
             not np.all(np.isfinite(values) & (values >= np.finfo(values.dtype).tiny)):
         raise ValueError(f"box must be positive and finite in {np.dtype(dtype).name} (the periodic box size per "
                          f"axis; XLA flushes subnormal numbers to zero), got {box!r}")
+    shape = np.shape(box)
+    if shape not in ((), (dim,)):
+        raise ValueError(f"box must be a scalar or have {dim} entries (one per axis), got shape {shape}")
+
+
+def box_vector(box: Any, dim: int, dtype: Any) -> jax.Array | None:
+    """``box`` as a `(dim,)` array of ``dtype`` (``None`` without a box), after :func:`check_box`."""
+    check_box(box, dim, dtype)
+    if box is None:
+        return None
     vec = jnp.asarray(box, dtype)
-    vec = jnp.broadcast_to(vec, (dim,)) if vec.ndim == 0 else vec
-    if vec.shape != (dim,):
-        raise ValueError(f"box must be a scalar or have {dim} entries (one per axis), got shape {vec.shape}")
-    return vec
+    return jnp.broadcast_to(vec, (dim,)) if vec.ndim == 0 else vec
 
 
 def _check_linking_length(linking_length: Any, box: Any, dtype: Any) -> jax.Array:
@@ -338,9 +347,13 @@ def _one_device(problem: _Problem) -> tuple[FofResult, Steps]:
     linked = _link(pos, valid, ids, space=whole_space(pos, valid, box), grid_pos=pos, problem=problem, volume=None,
                    edge_capacity=buffers.edge_capacity)
     mass, vel = _mass_vel(rows, n)
-    parts = partial_sums(pos, mass, vel, linked.component, valid, n, box)
+    # Only the members of groups large enough to keep enter the sums: with most particles in small groups (b = 0.2:
+    # nearly all) the other rows skip eight scatters of n rows (12 of a GPU's 22 ms at 1e7 particles).
+    size = jax.ops.segment_sum(valid.astype(jnp.int32), jnp.where(valid, linked.component, n), n)
+    member = valid & (size[linked.component] >= min_members)
+    parts = partial_sums(pos, mass, vel, linked.component, member, n, box)
     catalogue, groups_needed = finish(parts, linked.labels, parts.count >= min_members, buffers.max_groups, box)
-    labels = _members(linked.labels, valid & (parts.count[linked.component] >= min_members))
+    labels = _members(linked.labels, member)
     needed = Buffers(edge_capacity=linked.num_edges, halo_capacity=jnp.int32(0), max_groups=groups_needed,
                      sort_capacity=rows.num)
     return _result(labels, catalogue, needed, buffers), linked.steps
