@@ -67,11 +67,30 @@ def _valid_rows(pos: jax.Array, num: Any) -> jax.Array:
     return (rows < jnp.asarray(num, jnp.int32)[..., None]) & jnp.all(jnp.isfinite(pos), axis=-1)
 
 
+# Rows folded into one line of the per-axis reductions (at most; a power of two dividing the row count).
+_FOLD = 64
+
+
+def _per_axis(x: jax.Array, op: Any) -> jax.Array:
+    """``op`` (``jnp.min`` / ``jnp.max``) over the rows of ``x`` (`(..., d)`), per axis.
+
+    The rows are folded ``k`` at a time into lines of ``k * d`` values before the reduction: a GPU reduces the
+    columns of a ``(rows, 3)`` array about three times slower than those of a ``(rows / 64, 192)`` one (10 million
+    rows, one H100). Min and max are exact, so the result is the same.
+    """
+    d = x.shape[-1]
+    x = x.reshape(-1, d)
+    k = 1
+    while k < _FOLD and x.shape[0] % (2 * k) == 0:
+        k *= 2
+    return op(op(x.reshape(x.shape[0] // k, k * d), axis=0).reshape(k, d), axis=0)
+
+
 def _reduce(pos: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Count of valid finite rows and their per-axis min and max (``inf``/``-inf`` without rows)."""
     mask = valid[..., None]
-    lower = jnp.min(jnp.where(mask, pos, jnp.inf).reshape(-1, pos.shape[-1]), axis=0)
-    upper = jnp.max(jnp.where(mask, pos, -jnp.inf).reshape(-1, pos.shape[-1]), axis=0)
+    lower = _per_axis(jnp.where(mask, pos, jnp.inf), jnp.min)
+    upper = _per_axis(jnp.where(mask, pos, -jnp.inf), jnp.max)
     return jnp.sum(valid, dtype=jnp.int32), lower, upper
 
 
@@ -119,8 +138,8 @@ def mapped_checks(pos: jax.Array, num: Any) -> tuple[jax.Array, jax.Array, jax.A
     pos = lax.stop_gradient(pos)
     rows = jnp.arange(pos.shape[-2], dtype=jnp.int32)
     listed = rows < jnp.asarray(num, jnp.int32)
-    lower = jnp.min(jnp.where(listed[:, None], pos, jnp.inf), axis=0)
-    upper = jnp.max(jnp.where(listed[:, None], pos, -jnp.inf), axis=0)
+    lower = _per_axis(jnp.where(listed[:, None], pos, jnp.inf), jnp.min)
+    upper = _per_axis(jnp.where(listed[:, None], pos, -jnp.inf), jnp.max)
     clean = ~jnp.any(jnp.isnan(lower) | jnp.isnan(upper) | (lower == -jnp.inf) | (upper == jnp.inf))
 
     def recount(pos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
