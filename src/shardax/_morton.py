@@ -115,14 +115,24 @@ def given_box_values(box: Any, dtype: Any, type_error: str) -> np.ndarray | None
         raise TypeError(type_error) from None
 
 
-def periodic_box(box: Box, dim: int, dtype: jnp.dtype) -> KeyBox:
-    """The :class:`KeyBox` of a periodic box ``[0, box)`` (scalar or per-axis size)."""
+def check_periodic_box(box: Box, dim: int, dtype: jnp.dtype) -> None:
+    """Raise the errors of :func:`periodic_box` for ``box`` on the host, without device work (wrappers call it
+    before tracing: on a GPU every eager array operation is a launch and a wait)."""
     if isinstance(box, bool) or not isinstance(box, int | float | tuple | list | jax.Array | np.ndarray | np.generic):
         raise TypeError(f"box must be a positive number or a sequence of {dim} numbers, got {type(box).__name__}")
     values = given_box_values(box, dtype, f"box must be a positive number or a sequence of {dim} numbers, got {box!r}")
-    if values is not None and not np.all(np.isfinite(values) & (values >= np.finfo(values.dtype).tiny)):
+    if values is None:
+        return
+    if not np.all(np.isfinite(values) & (values >= np.finfo(values.dtype).tiny)):
         raise ValueError(f"box must be positive and finite in {np.dtype(dtype).name} (the periodic box size per "
                          f"axis; XLA flushes subnormal numbers to zero), got {box!r}")
+    if values.ndim != 0 and values.shape != (dim,):
+        raise ValueError(f"box must be a scalar or have shape ({dim},) (one value per axis), got {values.shape}")
+
+
+def periodic_box(box: Box, dim: int, dtype: jnp.dtype) -> KeyBox:
+    """The :class:`KeyBox` of a periodic box ``[0, box)`` (scalar or per-axis size)."""
+    check_periodic_box(box, dim, dtype)
     extent = _as_vector(box, dim, dtype, "box")
     return KeyBox(jnp.zeros((dim,), dtype), extent, True)
 

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from .. import _zorder
 from .._bounds import check_bounds, check_part, mapped_bounds
 from .._errors import CapacityError
-from .._morton import Box, periodic_box
+from .._morton import Box, check_periodic_box
 from .._pytree import check_count
 from ..core import ALL, attach_global, smap
 from ._domain import Domain, domain_of
@@ -117,7 +117,7 @@ def _constructed(mesh: Mesh | None, jit: bool, donate: bool) -> Callable[..., An
         check_count(part.num, int(jnp.shape(part.pos)[1]), "zsort.smap")
         dtype = jnp.result_type(part.pos)
         if box is not None and not isinstance(box, Tracer) and dtype in (jnp.float32, jnp.float64):
-            periodic_box(box, int(jnp.shape(part.pos)[-1]), dtype)  # clear errors before anything is traced
+            check_periodic_box(box, int(jnp.shape(part.pos)[-1]), dtype)  # clear errors before anything is traced
         static_box = box is None or isinstance(box, int | float | tuple)
         leaves, treedef = jax.tree.flatten(part)
         key = (treedef, static_box, box if static_box else None, equalize, capacity, return_domain, num_cells)

@@ -23,7 +23,7 @@ from .._pytree import check_count, pad_global, particle_set
 from ..comm import allgather
 from ..core import ALL, attach_global, smap
 from ..particles import Particles
-from ._fof import Buffers, FofResult, TuningName, box_vector, device_buffers, fof, requested_buffers
+from ._fof import Buffers, FofResult, TuningName, check_box, device_buffers, fof, requested_buffers
 from ._fof_tuning import Tuning, resolve
 
 # The ghost buffer ``fof.smap`` starts from when ``halo_capacity`` is left unset. Boundary rows are a few percent of
@@ -124,7 +124,7 @@ def global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., F
         if isinstance(linking_length, bool) or not isinstance(linking_length, int | float | np.floating):
             raise TypeError(f"fof.smap: linking_length must be a Python number, got {type(linking_length).__name__}")
         if jnp.issubdtype(jnp.result_type(pos), jnp.floating):
-            box_vector(box, int(jnp.shape(pos)[-1]), jnp.result_type(pos))
+            check_box(box, int(jnp.shape(pos)[-1]), jnp.result_type(pos))
         requested = requested_buffers(edge_capacity=edge_capacity, halo_capacity=halo_capacity, max_groups=max_groups,
                                sort_capacity=sort_capacity)
         if ndev == 1 and n == 1:  # the one-device pair search needs two rows: add a padding row, drop its label

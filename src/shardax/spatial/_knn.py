@@ -69,9 +69,11 @@ def extent_range(dtype: Any, dim: int) -> tuple[float, float]:
     return float(np.sqrt(info.tiny) / info.eps), float(np.sqrt(info.max / dim)) / 2
 
 
-def _box_vector(box: Box, dim: int, dtype: Any) -> jax.Array | None:
+def _check_box(box: Box, dim: int, dtype: Any) -> None:
+    """The errors of :func:`_box_vector`, raised on the host without device work (``knn.smap`` checks before its
+    call: on a GPU every eager array operation is a launch and a wait)."""
     if box is None:
-        return None
+        return
     values = given_box_values(box, dtype, f"knn: box must be None, a number or one number per axis, got {box!r}")
     if values is not None:
         if values.size in (1, dim) and not np.all(np.isfinite(values) & (values > 0)):
@@ -80,11 +82,18 @@ def _box_vector(box: Box, dim: int, dtype: Any) -> jax.Array | None:
         if values.size in (1, dim) and not np.all((values >= low) & (values <= high)):
             raise ValueError(f"knn: box {box!r} is out of range for {np.dtype(dtype).name}: squared distances need "
                              f"{low:.3g} <= box <= {high:.3g}; rescale the positions or use float64")
+    shape = np.shape(box)
+    if shape not in ((), (dim,)):
+        raise ValueError(f"knn: box must be a scalar or have one size per axis ({dim}), got shape {shape}")
+
+
+def _box_vector(box: Box, dim: int, dtype: Any) -> jax.Array | None:
+    """``box`` as a `(dim,)` array of ``dtype`` (``None`` without a box), after :func:`_check_box`."""
+    _check_box(box, dim, dtype)
+    if box is None:
+        return None
     vec = jnp.asarray(np.asarray(box) if isinstance(box, tuple | list) else box, dtype)
-    vec = jnp.broadcast_to(vec, (dim,)) if vec.ndim == 0 else vec
-    if vec.shape != (dim,):
-        raise ValueError(f"knn: box must be a scalar or have one size per axis ({dim}), got shape {vec.shape}")
-    return vec
+    return jnp.broadcast_to(vec, (dim,)) if vec.ndim == 0 else vec
 
 
 def _check_finite(pos: jax.Array, valid: jax.Array, name: str) -> None:
@@ -319,7 +328,7 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
             count = int(np.sum(np.asarray(num)))  # (check_count: every count lies in [0, rows per device])
         _check_k(k, rows, count)  # before compiling a search for an impossible k
         if box is not None and jnp.issubdtype(jnp.result_type(part.pos), jnp.floating):
-            _box_vector(box, int(jnp.shape(part.pos)[-1]), jnp.result_type(part.pos))
+            _check_box(box, int(jnp.shape(part.pos)[-1]), jnp.result_type(part.pos))
         static_box = _static_box(box)
         # Pytrees travel as flat leaf lists: smap's spec broadcasting would give an absent (None) field a spec.
         part_leaves, part_def = jax.tree.flatten(part)
