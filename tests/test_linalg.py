@@ -462,6 +462,33 @@ def test_gradients(shape, dtype, grid):
     assert np.isclose(float(logdet), np.linalg.slogdet(np.asarray(a))[1], rtol=1e-10)
 
 
+def test_gpu_preset_factors_float64_whole_on_one_device():
+    """On one device the GPU preset factors float64 matrices as one block: the same solution, log-determinant,
+    factor, inverse and failure status as the blocked factorisation; float32 and meshes of several devices stay
+    blocked."""
+    mesh = make_mesh((1,))
+    big = 8192
+    assert default_tile(big, 1, "gpu", dtype=np.float64) == default_tile(big, 1, "gpu", dtype=np.complex128) == big
+    assert default_tile(big, 1, "gpu", dtype=np.float32) == default_tile(big, 2, "gpu", dtype=np.float64) == 512
+    assert default_tile(big, 1, "cpu", dtype=np.float64) == 256
+    n = 40
+    with jax.enable_x64(True):
+        a, b = jnp.asarray(hpd(n, np.float64, seed=12)), jnp.asarray(rhs(n, 2, np.float64))
+        x, logdet = sx.linalg.potrs(a, b, mesh=mesh, tuning="gpu", return_logdet=True)
+        close(x, np.linalg.solve(np.asarray(a), np.asarray(b)), np.float64)
+        close(logdet, np.linalg.slogdet(np.asarray(a))[1], np.float64)
+        close(sx.linalg.potrf(a, mesh=mesh, tuning="gpu"), np.linalg.cholesky(np.asarray(a)), np.float64)
+        close(sx.linalg.potri(a, mesh=mesh, tuning="gpu"), np.linalg.inv(np.asarray(a)), np.float64, scale=10.0)
+        broken = a.at[7, 7].set(-1.0)
+        _, info = sx.linalg.potrs(broken, b, mesh=mesh, tuning="gpu", return_status=True)
+        _, blocked_info = sx.linalg.potrs(broken, b, mesh=mesh, tile=8, return_status=True)
+    assert int(info) == int(blocked_info) == 8
+    with pytest.raises(ValueError, match="whole_dtypes"):
+        sx.linalg.LinalgTuning(whole_dtypes=("nope",))
+    with pytest.raises(ValueError, match="whole_dtypes"):
+        sx.linalg.LinalgTuning(whole_dtypes=["float64"])  # type: ignore[arg-type]
+
+
 def test_local_view_runs_without_mesh():
     n = 20
     a, b = hpd(n, np.float32, seed=11), rhs(n, 2, np.float32)

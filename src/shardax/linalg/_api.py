@@ -176,7 +176,7 @@ def potrs(a: Any, b: Any, T_A: int | None = None, mesh: Mesh | None = None, in_s
     a = onto(a, the_mesh)
     b, b_sharding, b_back = enter(b, user_mesh, the_mesh)
     layout = BlockCyclic.create(a.shape[0], size, the_mesh.size, check_grid(grid, the_mesh.size), tuning,
-                                the_mesh.devices)
+                                the_mesh.devices, a.dtype)
     with computing_on(grid_mesh(the_mesh, layout), user_mesh):
         x, logdet, info = _solver(the_mesh, layout, return_logdet, b_sharding)(a, b)
     x = _reshard(x, b_back)
@@ -251,7 +251,7 @@ def _factor_api(a: Any, tile: int | None, mesh: Mesh | None, return_status: bool
     the_mesh = computing_mesh(user_mesh)
     a, a_sharding, a_back = enter(a, user_mesh, the_mesh)
     layout = BlockCyclic.create(a.shape[0], size, the_mesh.size, check_grid(grid, the_mesh.size), tuning,
-                                the_mesh.devices)
+                                the_mesh.devices, a.dtype)
     with computing_on(grid_mesh(the_mesh, layout), user_mesh):
         out, info = _factor(the_mesh, layout, inverse, a_sharding)(a)
     out = _reshard(out, a_back)
