@@ -22,11 +22,14 @@ Sections (full sizes) and references:
 - ``potrs_f32`` (N=16384), ``potrs_f64`` (N=8192) against ``jax.scipy.linalg.cho_factor``/``cho_solve``;
   ``syevd`` (float32, N=4096) against ``jnp.linalg.eigh``; ``fftn`` (complex64 512^3) against ``jnp.fft.fftn``.
 - ``zsort`` (1e7, ``jax.jit(zsort)`` and ``zsort.smap``) against a NumPy Morton argsort at 1e6.
+- ``pm_forces`` (256^3 particles on a 256^3 mesh, ``sx.nbody.pm_forces``) against JaxPM 0.1.6's ``pm_forces``
+  (where JaxPM and jaxdecomp import; the row says so where they do not), forces compared in the same units.
 
 kNN and FoF at 1e7 report the device's peak memory per particle (``memory_stats()["peak_bytes_in_use"]``) after
 the shardax calls. Output: a table on stdout and the JSON (``--out``, default ``gpu_results.json``): one record per
 row with ``first_s``, ``median_s``, ``reference_s``, ``ratio`` (shardax / reference), ``exact`` and ``detail``;
-the global rows (``.smap``) also give ``vs_jit``, their time over the jitted local view's.
+the global rows (``.smap``, ``paint``, ``readout``) also give ``vs_jit``, their time over that of the jitted local
+view on the same rows (padding rows included) giving the same outputs.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import numpy as np
 LIMITS = {
     "knn_1e6": 40, "knn_1e7": 70, "fof_1e6": 40, "fof_1e6_b07": 30, "fof_1e7": 60, "paint": 30, "power": 20,
     "potrs_f32": 25, "potrs_f64": 25, "syevd": 30, "fftn": 20, "zsort": 30,
+    "pm_forces": 45,
 }
 _QUICK_LIMIT = 120
 _BUDGET = 350.0
@@ -59,10 +63,10 @@ def _sizes(quick: bool) -> dict[str, Any]:
     if quick:
         return {"knn_1e6": 3000, "knn_1e7": 5000, "fof": 3000, "fof_1e7": 5000, "paint": 20000, "grid": 16,
                 "potrs_f32": 256, "potrs_f64": 128, "syevd": 128, "fftn": 16, "zsort": 20000, "zsort_ref": 5000,
-                "samples": 100, "repeat": 2}
+                "samples": 100, "repeat": 2, "pm": 16}
     return {"knn_1e6": 10**6, "knn_1e7": 10**7, "fof": 10**6, "fof_1e7": 10**7, "paint": 10**7, "grid": 256,
             "potrs_f32": 16384, "potrs_f64": 8192, "syevd": 4096, "fftn": 512, "zsort": 10**7, "zsort_ref": 10**6,
-            "samples": 1000, "repeat": 3}
+            "samples": 1000, "repeat": 3, "pm": 256}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -105,6 +109,14 @@ def _one_device_mesh() -> Any:
     return Mesh(np.array(jax.devices()[:1]), ("d",))
 
 
+def _local_view(part: Any) -> Any:
+    """The one device's particles as the global ``part`` holds them (its padding rows too), for the jitted local
+    view the global function is compared with."""
+    import shardax as sx
+
+    return sx.particles.Particles(pos=part.pos[0], num=part.num[0])
+
+
 def _uniform(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).random((n, 3), dtype=np.float32)
 
@@ -122,11 +134,11 @@ def _knn(n: int, k: int, sizes: dict[str, Any]) -> list[dict[str, Any]]:
     repeat = sizes["repeat"]
     host = _uniform(n)
     mesh = _one_device_mesh()
-    pos = jax.device_put(host)
-    local = jax.jit(lambda p: sx.spatial.knn(p, k, box=1.0))
-    first, median, res = _timed(lambda: local(pos), repeat)
-    peak_local = _peak_bytes()
     part = sx.particles.from_numpy(host, mesh=mesh)
+    local_part = _local_view(part)
+    local = jax.jit(lambda p: sx.spatial.knn(p, k, box=1.0))
+    first, median, res = _timed(lambda: local(local_part), repeat)
+    peak_local = _peak_bytes()
     glob = sx.spatial.knn.smap(mesh)
     g_first, g_median, g_res = _timed(lambda: glob(part, k, box=1.0), repeat)
     peak = _peak_bytes()
@@ -161,7 +173,6 @@ def _fof_reference(host: np.ndarray, ll: float, min_members: int) -> np.ndarray:
 
 def _fof(n: int, b: float, sizes: dict[str, Any], check: bool) -> list[dict[str, Any]]:
     import jax
-    import jax.numpy as jnp
 
     import shardax as sx
 
@@ -170,15 +181,15 @@ def _fof(n: int, b: float, sizes: dict[str, Any], check: bool) -> list[dict[str,
     ll = b / n ** (1 / 3)
     min_members = 20 if n >= 10**5 else 2
     mesh = _one_device_mesh()
-    local_part = sx.particles.Particles(pos=jax.device_put(host), num=jnp.int32(n))
-    local = jax.jit(lambda p: sx.spatial.fof(p, ll, box=1.0, min_members=min_members).labels)
-    first, median, labels = _timed(lambda: local(local_part), repeat)
-    peak_local = _peak_bytes()
     part = sx.particles.from_numpy(host, mesh=mesh)
+    local_part = _local_view(part)
+    local = jax.jit(lambda p: sx.spatial.fof(p, ll, box=1.0, min_members=min_members))
+    first, median, res = _timed(lambda: local(local_part), repeat)
+    peak_local = _peak_bytes()
     glob = sx.spatial.fof.smap(mesh)
     g_first, g_median, g_res = _timed(lambda: glob(part, ll, box=1.0, min_members=min_members), repeat)
     peak = _peak_bytes()
-    results = {"jax.jit(fof)": (first, median, np.asarray(labels)[:n], peak_local),
+    results = {"jax.jit(fof)": (first, median, np.asarray(res.labels)[:n], peak_local),
                "fof.smap": (g_first, g_median, np.asarray(g_res.labels).reshape(-1)[:n], peak)}
     ref = None
     ref_s = None
@@ -242,16 +253,22 @@ def _paint(sizes: dict[str, Any]) -> list[dict[str, Any]]:
 
     first, median, rho = _timed(lambda: sx.fields.paint(part, shape, box=1.0), repeat)
     _, ref_median, ref = _timed(lambda: plain_paint(pos), repeat)
+    # The jitted local view on the same device: what the global function may cost at most 1.1x of.
+    local_part = sx.particles.Particles(pos=pos, num=jnp.int32(n))
+    local_paint = jax.jit(lambda p: sx.fields.local_paint(p, shape, box=1.0)[0])
+    _, local_median, _ = _timed(lambda: local_paint(local_part), repeat)
     err = float(jnp.max(jnp.abs(jnp.asarray(rho) - ref)) / jnp.max(ref))
     rows = [_row("paint", f"{n:.0e} -> {g}^3", first, median, "jit .at[].add", ref_median, err < 1e-4,
-                 f"max rel diff {err:.1e}")]
+                 f"max rel diff {err:.1e}", vs_jit=median / local_median)]
     field = rho
     r_first, r_median, values = _timed(lambda: sx.fields.readout(field, part, box=1.0), repeat)
     field_local = jax.device_put(np.asarray(field))
     _, ref_median, ref = _timed(lambda: plain_readout(field_local, pos), repeat)
+    local_readout = jax.jit(lambda f, p: sx.fields.local_readout(f, p, box=1.0)[0])
+    _, local_median, _ = _timed(lambda: local_readout(field_local, local_part), repeat)
     err = float(jnp.max(jnp.abs(jnp.asarray(values).reshape(-1)[:n] - ref)) / jnp.max(jnp.abs(ref)))
     rows.append(_row("readout", f"{n:.0e} <- {g}^3", r_first, r_median, "jit gather CIC", ref_median, err < 1e-5,
-                     f"max rel diff {err:.1e}"))
+                     f"max rel diff {err:.1e}", vs_jit=r_median / local_median))
     return rows
 
 
@@ -287,7 +304,7 @@ def _power(sizes: dict[str, Any]) -> list[dict[str, Any]]:
         index = jnp.where((index >= 0) & (index < bins), index, bins).reshape(-1)
         modes = jax.ops.segment_sum(weight.reshape(-1), index, bins + 1)[:bins]
         psum = jax.ops.segment_sum((weight * power / window).reshape(-1), index, bins + 1)[:bins]
-        return psum / jnp.maximum(modes, 1) / g**6, modes  # V |delta_k|^2 / N^2 with V = 1
+        return psum / jnp.maximum(modes, 1) / float(g) ** 6, modes  # V |delta_k|^2 / N^2 with V = 1
 
     first, median, (_, pk, modes) = _timed(lambda: sx.fields.power_spectrum(field, box=1.0, bins=bins), repeat)
     x_local = jax.device_put(host)
@@ -364,7 +381,6 @@ def _fftn(sizes: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _zsort_rows(n: int, sizes: dict[str, Any], check: bool) -> list[dict[str, Any]]:
     import jax
-    import jax.numpy as jnp
 
     import shardax as sx
     from shardax.cli._bench_cases import numpy_zsort
@@ -373,7 +389,7 @@ def _zsort_rows(n: int, sizes: dict[str, Any], check: bool) -> list[dict[str, An
     host = _uniform(n, seed=5)
     mesh = _one_device_mesh()
     part = sx.particles.from_numpy(host, mesh=mesh)
-    local_part = sx.particles.Particles(pos=jax.device_put(host), num=jnp.int32(n))
+    local_part = _local_view(part)
     local = jax.jit(lambda p: sx.particles.zsort(p, box=1.0))
     glob = sx.particles.zsort.smap(mesh)
     first, median, (out, _) = _timed(lambda: local(local_part), repeat)
@@ -391,6 +407,37 @@ def _zsort_rows(n: int, sizes: dict[str, Any], check: bool) -> list[dict[str, An
                  vs_jit=g_median / median)]
 
 
+def _pm_forces(sizes: dict[str, Any]) -> list[dict[str, Any]]:
+    """One PM force evaluation of n^3 particles on an n^3 mesh: ``sx.nbody.pm_forces`` against JaxPM's."""
+    import jax
+    import jax.numpy as jnp
+
+    import shardax as sx
+
+    n, repeat = sizes["pm"], sizes["repeat"]
+    box = 2.0 * n
+    mesh = _one_device_mesh()
+    cosmo = sx.nbody.Cosmology()
+    part = jax.block_until_ready(sx.nbody.lpt(cosmo, sx.nbody.white_noise(n, mesh=mesh), box=box, a=0.5, mesh=mesh))
+    first, median, forces = _timed(lambda: sx.nbody.pm_forces(part, box=box, mesh_per_side=n), repeat)
+    try:
+        from jaxpm.pm import pm_forces as jaxpm_pm_forces
+    except Exception as err:  # JaxPM (and jaxdecomp) are not part of a GPU image: the row says so
+        return [_row("pm_forces", f"{n}^3 on {n}^3", first, median, None, None, None,
+                     f"JaxPM not importable: {type(err).__name__}: {err}")]
+    flat = sx.particles.squeeze(part)
+    order = np.argsort(flat["ids"])
+    grid_pos = jnp.asarray(flat["pos"][order].reshape(n, n, n, 3) * (n / box))
+    ref_fn = jax.jit(lambda x: jaxpm_pm_forces(x, mesh_shape=(n, n, n)))
+    _, ref_median, ref = _timed(lambda: ref_fn(grid_pos), repeat)
+    # Same Poisson problem and gradient stencil; JaxPM's forces are in cells, shardax's in Mpc/h (box / n per cell).
+    got = np.asarray(forces).reshape(-1, 3)[: n**3][order]
+    want = np.asarray(ref).reshape(-1, 3) * (box / n)
+    err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    return [_row("pm_forces", f"{n}^3 on {n}^3", first, median, "JaxPM pm_forces", ref_median, err < 1e-3,
+                 f"max |F - F_JaxPM| / max |F_JaxPM| {err:.1e}")]
+
+
 def _zsort(sizes: dict[str, Any]) -> list[dict[str, Any]]:
     return _zsort_rows(sizes["zsort_ref"], sizes, True) + _zsort_rows(sizes["zsort"], sizes, False)
 
@@ -403,6 +450,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], list[dict[str, Any]]]] = {
     "fof_1e7": lambda s: _fof(s["fof_1e7"], 0.2, s, check=False),
     "paint": _paint,
     "power": _power,
+    "pm_forces": _pm_forces,
     "potrs_f32": lambda s: _potrs(s["potrs_f32"], "float32", s),
     "potrs_f64": lambda s: _potrs(s["potrs_f64"], "float64", s),
     "syevd": _syevd,
@@ -425,8 +473,18 @@ def run_section(name: str, quick: bool) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------------------------
 # The driver.
 
-def _child(name: str, quick: bool, limit: float) -> tuple[list[dict[str, Any]], str | None, float]:
-    """Run one section in a subprocess: ``(rows, error or None, seconds)``."""
+def _save_log(logs: str | None, name: str, stdout: Any, stderr: Any) -> None:
+    if logs is None:
+        return
+    os.makedirs(logs, exist_ok=True)
+    text = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (stdout, stderr)]
+    with open(os.path.join(logs, f"{name}.log"), "w") as f:
+        f.write(text[0] + "\n--- stderr ---\n" + text[1])
+
+
+def _child(name: str, quick: bool, limit: float, logs: str | None = None
+           ) -> tuple[list[dict[str, Any]], str | None, float]:
+    """Run one section in a subprocess: ``(rows, error or None, seconds)``; its output goes to ``logs/name.log``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--section", name, "--rows", out] + (
@@ -434,9 +492,11 @@ def _child(name: str, quick: bool, limit: float) -> tuple[list[dict[str, Any]], 
         start = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, check=False)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as err:
+            _save_log(logs, name, err.stdout, err.stderr)
             return [], f"timed out after {limit:.0f} s", time.perf_counter() - start
         seconds = time.perf_counter() - start
+        _save_log(logs, name, proc.stdout, proc.stderr)
         if proc.returncode != 0 or not os.path.exists(out):
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
             return [], f"exit {proc.returncode}: {' | '.join(tail)}", seconds
@@ -470,6 +530,7 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=None,
                         help=f"seconds for the whole run (default {_BUDGET:.0f}, none with --quick): sections past "
                              "it are recorded as skipped")
+    parser.add_argument("--logs", default=None, help="folder for each section's output (default: not kept)")
     parser.add_argument("--section", help=argparse.SUPPRESS)
     parser.add_argument("--rows", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -492,7 +553,7 @@ def main() -> int:
                             "seconds": 0.0})
             continue
         limit = min((_QUICK_LIMIT if args.quick else LIMITS[name]) * args.limit_scale, left)
-        rows, error, seconds = _child(name, args.quick, limit)
+        rows, error, seconds = _child(name, args.quick, limit, args.logs)
         if error is not None:
             records.append({"section": name, "error": error, "seconds": seconds})
         for row in rows:
@@ -500,17 +561,21 @@ def main() -> int:
         records.extend(rows)
         print(f"[{time.perf_counter() - started:6.1f} s] {name}: {error or f'{len(rows)} rows'} ({seconds:.1f} s)",
               flush=True)
+        _write(args.out, records, started, args.quick)  # after every section: a run cut short keeps what it has
     _print_table(records)
-    meta: dict[str, Any] = {"python": platform.python_version(), "quick": args.quick,
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _write(path: str, records: list[dict[str, Any]], started: float, quick: bool) -> None:
+    meta: dict[str, Any] = {"python": platform.python_version(), "quick": quick,
                             "seconds": time.perf_counter() - started, "command": " ".join(sys.argv),
                             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     # What the sections ran on, as they reported it (this process starts no JAX backend).
     described = next((r for r in records if "device" in r), {})
     meta.update({key: described.get(key) for key in ("backend", "device", "jax")})
-    with open(args.out, "w") as f:
+    with open(path, "w") as f:
         json.dump({"meta": meta, "results": records}, f, indent=1)
-    print(f"wrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":
