@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from .._nonzero import true_positions
 from .._wordsort import argsort_words
 
 
@@ -167,7 +168,7 @@ def finish(parts: Partial, label: jax.Array, keep: jax.Array, capacity: int,
     # Only the kept rows are sorted (at most `capacity` of them, in row order: ties stay in row order), by one
     # single-operand sort (``argsort_words``; a sort with a payload is several times slower on XLA:CPU). The sign bit
     # is flipped so that the unsigned order of the words is the int32 order of the labels.
-    (order,) = jnp.nonzero(keep, size=min(capacity, key.shape[0]), fill_value=key.shape[0] - 1)
+    order = true_positions(keep, min(capacity, key.shape[0]), key.shape[0] - 1)
     word = jnp.where(jnp.arange(order.shape[0]) < needed, key[order], big).astype(jnp.uint32) ^ jnp.uint32(1 << 31)
     order = order[argsort_words(word)]
     num = jnp.minimum(needed, capacity).astype(jnp.int32)

@@ -20,6 +20,7 @@ from jax import lax
 
 from .._alltoallv import alltoallv_many, exchange_counts_and_max
 from .._exchange import Chunk
+from .._nonzero import true_positions
 from .._wordsort import sort_words
 from ..comm import allgather, allreduce, group_by_rank
 from ..core import resolve_axes, vary_like
@@ -207,7 +208,7 @@ def exchange_ghosts(pos: jax.Array, ids: jax.Array, pieces: Pieces, linking_leng
     other = jnp.arange(size, dtype=jnp.int32)[None, :, None] != rank
     pairs = (gap2 <= reach2) & occupied[rank][:, None, None] & occupied[None] & other
     num_pairs = jnp.sum(pairs, dtype=jnp.int32)
-    (todo,) = jnp.nonzero(pairs.reshape(-1), size=pairs.size, fill_value=0)
+    todo = true_positions(pairs.reshape(-1), pairs.size, 0)
     todo = todo.astype(jnp.int32)
     mine, dest, theirs = todo // (size * cells), todo // cells % size, todo % cells
     steps = jnp.where(jnp.arange(pairs.size) < num_pairs, (count[mine] + chunk - 1) // chunk, 0)
@@ -236,9 +237,9 @@ def exchange_ghosts(pos: jax.Array, ids: jax.Array, pieces: Pieces, linking_leng
     # The copies in (destination, row) order, in two compactions: the rows near any other device, then their copies.
     # One compaction over all ``size * n`` pairs costs several times more on XLA:CPU (a scan over every pair).
     # Past ``capacity`` rows the copies overflow anyway.
-    (near_rows,) = jnp.nonzero(jnp.any(near, axis=0), size=capacity, fill_value=n)
+    near_rows = true_positions(jnp.any(near, axis=0), capacity, n)
     copies = jnp.take(near, near_rows, axis=1, mode="fill", fill_value=False)  # (size, capacity)
-    (flat,) = jnp.nonzero(copies.reshape(-1), size=capacity, fill_value=0)
+    flat = true_positions(copies.reshape(-1), capacity, 0)
     flat = flat.astype(jnp.int32)
     send_dest, send_row = flat // capacity, jnp.minimum(near_rows[flat % capacity], n - 1).astype(jnp.int32)
     # Copies past the capacity are not sent (overflow); the counts say what went to each rank.
@@ -317,7 +318,7 @@ def boundary_totals(parts: Partial, label: jax.Array, boundary: jax.Array, rank:
     """
     big = label.shape[0]
     send_num = jnp.sum(boundary, dtype=jnp.int32)
-    (sel,) = jnp.nonzero(boundary, size=capacity, fill_value=0)
+    sel = true_positions(boundary, capacity, 0)
     sel = sel.astype(jnp.int32)
     tree = {"label": label[sel], **{f"p_{k}": v[sel] for k, v in parts._asdict().items()}}
     got, recv_counts, overflow, perm, back_plan = exchange_columns(

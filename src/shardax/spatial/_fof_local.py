@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .._nonzero import true_positions
 from .._wordsort import argsort_words
 from ..core import vary_like
 from ._fof_tuning import DEFAULT_TUNING, Tuning, step_sizes
@@ -246,7 +247,7 @@ def sort_points(pos: jax.Array, valid: jax.Array, space: LinkSpace, grid: Grid, 
                                                                                                         mode="drop")
     remaining = valid & (top[keys] != idx)
     spare = min(n, n // 4 + 1024)
-    (sub,) = jnp.nonzero(remaining, size=spare, fill_value=n)
+    sub = true_positions(remaining, spare, n)
     sub = sub.astype(jnp.int32)
     sub_keys = jnp.where(sub < n, keys[jnp.minimum(sub, n - 1)], table_cells)
     rounds = min(rounds, (2**31 - 1) // max(n, 1) - 1)

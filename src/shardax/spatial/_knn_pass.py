@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._nonzero import true_positions
 from .._wordsort import sort_words
 from ..core import vary_like
 from ._grid import SENTINEL_KEY, Domain, Grid, axis_margin, cell_coords, cell_keys
@@ -62,7 +63,7 @@ def pair_dist2(q: jax.Array, c: jax.Array, domain: Domain) -> jax.Array:
 
 def positions_of(mask: jax.Array, size: int, fill: jax.Array | int) -> jax.Array:
     """int32 positions `(size,)` of the true entries of ``mask``, then ``fill``."""
-    (found,) = jnp.nonzero(mask, size=size, fill_value=0)
+    found = true_positions(mask, size, 0)
     count = jnp.sum(mask, dtype=jnp.int32)
     return jnp.where(jnp.arange(size, dtype=jnp.int32) < count, found.astype(jnp.int32), fill)
 
