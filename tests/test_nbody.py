@@ -156,11 +156,19 @@ def test_pm_forces_match_numpy(shape: tuple[int, ...]) -> None:
 
 def test_simulate_same_at_every_scale() -> None:
     """1 device, 8 devices (slabs), (2, 4) pencils in one process and 2 processes x 4 devices: positions to float32
-    round-off, ids identical; snapshots and step boundaries as asked."""
+    round-off, ids identical; snapshots and step boundaries as asked. The 2 x 4 launch also differentiates a float64
+    run (reverse adjoint): the one-device loss and gradients."""
     body = _body_module()
     runs = {shape: body.run(make_mesh(shape)) for shape in [(1,), (8,), (2, 4)]}
-    runs.update({f"2x4 processes {name}": res for name, res in
-                 sx.testing.run_distributed(body.distributed_body, num_processes=2, cpu_devices=4)[0].items()})
+    distributed = sx.testing.run_distributed(body.distributed_body, num_processes=2, cpu_devices=4)[0]
+    # The float64 loss and gradients (reverse adjoint) at 2 processes x 4 devices: the one-device values.
+    one_value, one_noise, one_cosmo, _ = _snapshot_gradients((1,), "reverse")
+    value, noise, cosmo = distributed.pop("gradients")
+    np.testing.assert_allclose(value, one_value, rtol=1e-12)
+    np.testing.assert_allclose(noise, one_noise, rtol=0, atol=1e-10 * np.abs(one_noise).max())
+    for name, want in one_cosmo.items():
+        np.testing.assert_allclose(cosmo[name], want, rtol=1e-10, err_msg=name)
+    runs.update({f"2x4 processes {name}": res for name, res in distributed.items()})
     ref = runs[(1,)]
     box = body.RUN["box"]
     for res in runs.values():
@@ -234,41 +242,11 @@ def test_gradients_match_finite_differences() -> None:
             np.testing.assert_allclose(getattr(g_cosmo, name), fd, rtol=1e-3)
 
 
-_ADJOINT_RUN = {"n": 8, "box": 100.0, "a_start": 0.2, "steps": 3, "snapshots": (0.5, 0.7)}
-
-
 @functools.lru_cache(maxsize=4)
 def _snapshot_gradients(shape: tuple[int, ...], adjoint: Literal["reverse", "checkpoint"]) -> tuple[float, np.ndarray, dict, tuple]:
-    """float64: a loss of the final and the snapshot positions and momenta (weights carried by the particle ids, so
-    independent of the layout), its gradient in the noise and the cosmology, and the forward outputs."""
-    from shardax.nbody._setup import make_setup, scale_factors
-    from shardax.nbody._simulate import _run
-
-    run = _ADJOINT_RUN
-    mesh = make_mesh(shape)
-    with jax.enable_x64(True), jax.numpy_dtype_promotion("standard"):
-        setup = make_setup(n=run["n"], nm=run["n"], box=run["box"], mesh=mesh, where="test")
-        times, slots = scale_factors(run["a_start"], 1.0, run["steps"], run["snapshots"], "test")
-        noise = sx.nbody.white_noise(run["n"], seed=5, mesh=mesh)
-        cosmo = dataclasses.replace(COSMO, sigma8=jnp.float64(0.8), omega_c=jnp.float64(0.26))
-        waves = jnp.asarray([[[1.0, 2.0, 3.0]]]) * (2 * np.pi / run["box"])
-
-        def outputs(cosmo: sx.nbody.Cosmology, noise: jax.Array) -> tuple:
-            return _run(setup, None, len(run["snapshots"]), adjoint, cosmo, noise, None, jnp.asarray(times),
-                        jnp.asarray(slots))
-
-        def loss(cosmo: sx.nbody.Cosmology, noise: jax.Array) -> jax.Array:
-            pos, mom, ids, _, (snap_pos, snap_mom) = outputs(cosmo, noise)
-            w = jnp.sin(0.37 * ids.astype(pos.dtype))[..., None]
-            terms = [w * jnp.sin(pos * waves), 1e-3 * w * mom]
-            for slot in range(len(run["snapshots"])):
-                terms += [w * jnp.cos((slot + 1) * snap_pos[:, slot] * waves), 1e-3 * w * snap_mom[:, slot] ** 2]
-            return jnp.sum(jnp.stack([jnp.sum(t) for t in terms]))
-
-        value, (g_cosmo, g_noise) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(cosmo, noise)
-        fields = {name: float(getattr(g_cosmo, name)) for name in ("sigma8", "omega_c", "omega_b", "h", "n_s")}
-        forward = tuple(np.asarray(x) for x in jax.tree.leaves(jax.jit(outputs)(cosmo, noise)))
-        return float(value), np.asarray(g_noise), fields, forward
+    """``snapshot_gradients`` of tests/scripts/nbody_body.py on a mesh of ``shape`` (cached: several tests compare
+    against the one-device values)."""
+    return _body_module().snapshot_gradients(make_mesh(shape), adjoint)
 
 
 def test_reverse_adjoint_matches_checkpointed_scan() -> None:
