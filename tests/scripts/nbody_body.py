@@ -6,7 +6,7 @@ Module-level code stays free of JAX computations: the backend starts after ``sx.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +50,7 @@ def distributed_body() -> dict:
 ADJOINT_RUN = {"n": 8, "box": 100.0, "a_start": 0.2, "steps": 3, "snapshots": (0.5, 0.7)}
 
 
-def snapshot_gradients(mesh: Any, adjoint: str) -> tuple[float, np.ndarray, dict, tuple]:
+def snapshot_gradients(mesh: Any, adjoint: Literal["reverse", "checkpoint"]) -> tuple[float, np.ndarray, dict, tuple]:
     """float64: a loss of the final and the snapshot positions and momenta (weights carried by the particle ids, so
     independent of the layout), its gradient in the noise and the cosmology, and the forward outputs (host arrays)."""
     from shardax.nbody._setup import make_setup, scale_factors
