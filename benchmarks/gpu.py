@@ -562,6 +562,7 @@ def main() -> int:
         print(f"[{time.perf_counter() - started:6.1f} s] {name}: {error or f'{len(rows)} rows'} ({seconds:.1f} s)",
               flush=True)
         _write(args.out, records, started, args.quick)  # after every section: a run cut short keeps what it has
+    _write(args.out, records, started, args.quick)
     _print_table(records)
     print(f"wrote {args.out}")
     return 0
