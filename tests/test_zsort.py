@@ -296,6 +296,19 @@ def test_zsort_domain(shape: tuple[int, ...]) -> None:
     assert int(np.sum(np.asarray(dom.cell_count))) == N  # every particle in exactly one top-level cell
 
 
+@pytest.mark.parametrize("shape", [(1,), (8,)], ids=str)
+def test_zsort_domain_gpu_preset(shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU preset's cell statistics (compare-and-sum counts, segmented min/max scans) give the CPU preset's
+    Domain, field for field, and pass the same checks."""
+    mesh = make_mesh(shape)
+    cpu = check_domain(mesh)
+    monkeypatch.setenv("SHARDAX_TUNING", "gpu")
+    gpu = check_domain(mesh)
+    for name in ("counts", "first_key", "last_key", "lower", "upper", "cell_level", "cell_start", "cell_count",
+                 "cell_lower", "cell_upper"):
+        np.testing.assert_array_equal(to_host(getattr(gpu, name)), to_host(getattr(cpu, name)), err_msg=name)
+
+
 @pytest.mark.parametrize("shape", [(1,), (2, 4)], ids=str)
 def test_zsort_overflow_raises(shape: tuple[int, ...]) -> None:
     check_overflow(make_mesh(shape))

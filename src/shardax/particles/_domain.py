@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._morton import INVALID_KEY, KEY_BITS_PER_DIM, Box, KeyBox, key_box, morton_key
 from .._pytree import check_positions
+from .._tuning import tuning_backend
 from ..comm import allgather
 from ..core import distributed
 
@@ -84,13 +85,52 @@ def _cells(hi: jax.Array, lo: jax.Array, num: jax.Array, dim: int, num_cells: in
     prefix = _clz64(hi[1:] ^ hi[:-1], lo[1:] ^ lo[:-1]) - (64 - dim * bits)
     split = jnp.minimum(prefix // dim, bits)
     boundary = rows[1:] < num
-    hist = jnp.zeros((bits + 2,), jnp.int32).at[jnp.where(boundary, split, bits + 1)].add(1)
+    if tuning_backend() == "cpu":
+        hist = jnp.zeros((bits + 2,), jnp.int32).at[jnp.where(boundary, split, bits + 1)].add(1)[:bits]
+    else:  # a GPU would serialise n adds onto ~20 addresses: every level counts its boundaries in one fused pass
+        levels = jnp.arange(bits, dtype=split.dtype)
+        hist = jnp.sum(boundary[:, None] & (split[:, None] == levels[None, :]), axis=0, dtype=jnp.int32)
     # Cells at level l = 1 + boundaries that split above l; take the finest level with at most num_cells cells.
-    cells_at = 1 + jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(hist[: bits])])
+    cells_at = 1 + jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(hist)])
     level = jnp.sum(cells_at <= num_cells).astype(jnp.int32) - 1
     new = jnp.concatenate([jnp.zeros((1,), bool), boundary & (split < level)])
     index = jnp.cumsum(new.astype(jnp.int32))
     return level, jnp.where(rows < num, index, num_cells)
+
+
+def _cell_stats(pos: jax.Array, cell: jax.Array, num: jax.Array, num_cells: int
+                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """First row, row count and per-axis bounds of each of ``num_cells`` cells of rows sorted by ``cell``
+    (padding rows: ``num_cells``); an empty cell starts at ``num`` and has bounds ``(inf, -inf)``.
+
+    XLA:CPU adds the rows into their cells one after another. A GPU would serialise those adds (about n / num_cells
+    per address), so there the starts are counts of the rows in earlier cells (one fused compare-and-sum) and the
+    bounds a segmented min/max scan of the sorted rows, read at each cell's last row.
+    """
+    n = pos.shape[0]
+    rows = jnp.arange(n, dtype=jnp.int32)
+    if tuning_backend() == "cpu":
+        segments = num_cells + 1
+        lower = jax.ops.segment_min(pos, cell, segments, indices_are_sorted=True)[:num_cells]
+        upper = jax.ops.segment_max(pos, cell, segments, indices_are_sorted=True)[:num_cells]
+        count = jax.ops.segment_sum(jnp.ones((n,), jnp.int32), cell, segments, indices_are_sorted=True)[:num_cells]
+        start = jax.ops.segment_min(rows, cell, segments, indices_are_sorted=True)[:num_cells]
+        return jnp.where(count > 0, start, num), count, lower, upper
+    edges = jnp.arange(num_cells + 1, dtype=cell.dtype)
+    before = jnp.sum(cell[:, None] < edges[None, :], axis=0, dtype=jnp.int32)  # rows in cells below each edge
+    count = before[1:] - before[:-1]
+    opens = ((rows == 0) | (cell != jnp.roll(cell, 1)))[:, None]  # the first row of each run of a cell
+
+    def scan(op: Any) -> jax.Array:
+        def combine(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+            return a[0] | b[0], jnp.where(b[0], b[1], op(a[1], b[1]))
+        return lax.associative_scan(combine, (jnp.broadcast_to(opens, pos.shape), pos))[1]
+
+    last = jnp.clip(before[1:] - 1, 0, max(n - 1, 0))
+    has = (count > 0)[:, None]
+    lower = jnp.where(has, scan(jnp.minimum)[last], jnp.asarray(jnp.inf, pos.dtype))
+    upper = jnp.where(has, scan(jnp.maximum)[last], jnp.asarray(-jnp.inf, pos.dtype))
+    return jnp.where(count > 0, before[:-1], num), count, lower, upper
 
 
 def domain_of(part: Any, kbox: KeyBox, num_cells: int) -> Domain:
@@ -108,13 +148,7 @@ def domain_of(part: Any, kbox: KeyBox, num_cells: int) -> Domain:
     inside = valid[:, None]
     lower = jnp.min(jnp.where(inside, pos, big), axis=0)
     upper = jnp.max(jnp.where(inside, pos, -big), axis=0)
-    segments = num_cells + 1
-    cell_lower = jax.ops.segment_min(pos, cell, segments, indices_are_sorted=True)[:num_cells]
-    cell_upper = jax.ops.segment_max(pos, cell, segments, indices_are_sorted=True)[:num_cells]
-    cell_count = jax.ops.segment_sum(jnp.ones((n,), jnp.int32), cell, segments, indices_are_sorted=True)
-    cell_start = jax.ops.segment_min(rows, cell, segments, indices_are_sorted=True)
-    cell_count = cell_count[:num_cells]
-    cell_start = jnp.where(cell_count > 0, cell_start[:num_cells], num)
+    cell_start, cell_count, cell_lower, cell_upper = _cell_stats(pos, cell, num, num_cells)
     last = jnp.maximum(num - 1, 0)
     empty = num == 0
     first_key = jnp.where(empty, jnp.uint32(INVALID_KEY), jnp.stack([hi[0], lo[0]]))

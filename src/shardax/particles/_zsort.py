@@ -25,6 +25,7 @@ from .._bounds import check_bounds, check_part, mapped_bounds
 from .._errors import CapacityError
 from .._morton import Box, check_periodic_box
 from .._pytree import check_count
+from .._tuning import tuning_backend
 from ..core import ALL, attach_global, smap
 from ._domain import Domain, domain_of
 
@@ -120,7 +121,9 @@ def _constructed(mesh: Mesh | None, jit: bool, donate: bool) -> Callable[..., An
             check_periodic_box(box, int(jnp.shape(part.pos)[-1]), dtype)  # clear errors before anything is traced
         static_box = box is None or isinstance(box, int | float | tuple)
         leaves, treedef = jax.tree.flatten(part)
-        key = (treedef, static_box, box if static_box else None, equalize, capacity, return_domain, num_cells)
+        # The tuning preset is read while tracing (the domain's cell statistics): one program per preset.
+        key = (treedef, static_box, box if static_box else None, equalize, capacity, return_domain, num_cells,
+               tuning_backend(None if mesh is None else mesh.devices))
         fn = cache.get(key)
         if fn is None:
             def body(leaves: list[jax.Array], box_arg: Any) -> tuple:
