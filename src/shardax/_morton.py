@@ -90,7 +90,8 @@ def interleave(cells: jax.Array) -> tuple[jax.Array, jax.Array]:
     return hi, lo
 
 
-def _as_vector(value: Box, dim: int, dtype: jnp.dtype, name: str) -> jax.Array:
+def as_vector(value: Box, dim: int, dtype: jnp.dtype, name: str) -> jax.Array:
+    """``value`` (a scalar or one number per axis) as a `(dim,)` array of ``dtype``."""
     arr = jnp.asarray(value, dtype)
     if arr.ndim == 0:
         return jnp.full((dim,), arr)
@@ -133,7 +134,7 @@ def check_periodic_box(box: Box, dim: int, dtype: jnp.dtype) -> None:
 def periodic_box(box: Box, dim: int, dtype: jnp.dtype) -> KeyBox:
     """The :class:`KeyBox` of a periodic box ``[0, box)`` (scalar or per-axis size)."""
     check_periodic_box(box, dim, dtype)
-    extent = _as_vector(box, dim, dtype, "box")
+    extent = as_vector(box, dim, dtype, "box")
     return KeyBox(jnp.zeros((dim,), dtype), extent, True)
 
 

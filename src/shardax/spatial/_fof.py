@@ -27,7 +27,7 @@ from jax.core import Tracer
 
 from .._bounds import check_local
 from .._exchange import share_chunk
-from .._morton import given_box_values
+from .._morton import as_vector, given_box_values
 from .._pytree import check_positions, particle_set
 from .._zorder import bucket_sort
 from ..core import rank_info
@@ -138,10 +138,7 @@ def check_box(box: Any, dim: int, dtype: Any) -> None:
 def box_vector(box: Any, dim: int, dtype: Any) -> jax.Array | None:
     """``box`` as a `(dim,)` array of ``dtype`` (``None`` without a box), after :func:`check_box`."""
     check_box(box, dim, dtype)
-    if box is None:
-        return None
-    vec = jnp.asarray(box, dtype)
-    return jnp.broadcast_to(vec, (dim,)) if vec.ndim == 0 else vec
+    return None if box is None else as_vector(box, dim, dtype, "box")
 
 
 def _check_linking_length(linking_length: Any, box: Any, dtype: Any) -> jax.Array:

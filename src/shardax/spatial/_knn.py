@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._bounds import check_bounds, check_local, mapped_bounds
 from .._errors import CapacityError
-from .._morton import given_box_values
+from .._morton import as_vector, given_box_values
 from .._pytree import check_count, particle_set
 from ..comm import allgather, allreduce, scan
 from ..core import ALL, attach_global, rank_info, smap
@@ -90,10 +90,7 @@ def _check_box(box: Box, dim: int, dtype: Any) -> None:
 def _box_vector(box: Box, dim: int, dtype: Any) -> jax.Array | None:
     """``box`` as a `(dim,)` array of ``dtype`` (``None`` without a box), after :func:`_check_box`."""
     _check_box(box, dim, dtype)
-    if box is None:
-        return None
-    vec = jnp.asarray(np.asarray(box) if isinstance(box, tuple | list) else box, dtype)
-    return jnp.broadcast_to(vec, (dim,)) if vec.ndim == 0 else vec
+    return None if box is None else as_vector(box, dim, dtype, "box")
 
 
 def _check_finite(pos: jax.Array, valid: jax.Array, name: str) -> None:
