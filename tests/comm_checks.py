@@ -191,6 +191,13 @@ def check_alltoallv(mesh: Mesh) -> None:
     _alltoallv_case(mesh, one, 3 * size, chunk=sx.comm.chunk_ladder(3 * size))
     _alltoallv_case(mesh, one, max(3 * size - 2, 1))      # overflow on rank 0 only
     _alltoallv_case(mesh, np.zeros((size, size), np.int64), 4)
+    # Traffic that mostly stays home: the rows a rank keeps are copied locally (several steps of a few rows with
+    # chunk=2), the rounds follow the other counts; then more kept rows than the buffer holds.
+    home = rng.integers(0, 3, (size, size))
+    np.fill_diagonal(home, 37)
+    _alltoallv_case(mesh, home, int(home.sum(0).max()), chunk=2)
+    _alltoallv_case(mesh, home, int(home.sum(0).max()))
+    _alltoallv_case(mesh, home, 30, chunk=2)              # overflow inside the kept block on every rank
     _grouped_case(mesh)
 
 

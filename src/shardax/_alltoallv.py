@@ -26,7 +26,7 @@ from ._exchange import (
     local_copy,
     plan_route,
 )
-from .core import axes_size, vary_over
+from .core import axes_index, axes_size, vary_over
 
 Impl = Literal["auto", "chunked", "ragged"]
 
@@ -49,13 +49,15 @@ def _exchange_counts(send_counts: jax.Array, axes: tuple[str, ...]) -> jax.Array
 
 
 def exchange_counts_and_max(send_counts: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
-    """``(recv_counts, largest)``: the rows each rank sends me, and the largest count any rank sends any rank.
+    """``(recv_counts, largest)``: the rows each rank sends me, and the largest count any rank sends another rank.
 
-    One ``all_to_all``: every rank sends each peer its count for that peer and its own largest count, so the
-    global maximum (which fixes the number of chunked rounds) costs no separate ``pmax`` (across processes every
-    collective costs milliseconds of latency, whatever its size).
+    One ``all_to_all``: every rank sends each peer its count for that peer and its own largest count to another
+    rank, so the global maximum (which fixes the number of chunked rounds; the rows a rank keeps are copied
+    locally) costs no separate ``pmax`` (across processes every collective costs milliseconds of latency, whatever
+    its size).
     """
-    largest = jnp.max(send_counts, initial=0)
+    others = jnp.arange(send_counts.shape[0], dtype=jnp.int32) != axes_index(axes)
+    largest = jnp.max(jnp.where(others, send_counts, 0), initial=0)
     got = _exchange_counts(jnp.stack([send_counts, jnp.broadcast_to(largest, send_counts.shape)], axis=1), axes)
     return got[:, 0], jnp.max(got[:, 1])
 

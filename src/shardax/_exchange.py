@@ -2,12 +2,14 @@
 
 XLA:CPU has no ``ragged_all_to_all``, so the portable path moves rows in fixed-size chunks: each round is one
 ``all_to_all`` of a ``(size, chunk, ...)`` block, ``chunk = ceil(1.25 * capacity / (8 size))``, and the number of
-rounds is the largest per-pair count over all ranks divided by ``chunk`` (every rank learns it in the count exchange,
-which carries each sender's largest count along); each round scatters the rows it received straight into place in the
-receive buffer. Balanced traffic takes about seven rounds and moves the same bytes as a tiled ``all_to_all``; skewed
-traffic (everything to one rank) takes up to ``6.4 size`` rounds. Memory is the receive buffer plus one round's
-blocks (about 60% of it), whatever the traffic. That is the CPU preset of :class:`ExchangeTuning`; the GPU preset
-sizes a round for the whole share (one round, one sequential step, for balanced traffic).
+rounds is the largest count between two different ranks divided by ``chunk`` (every rank learns it in the count
+exchange, which carries each sender's largest count along); each round scatters the rows it received straight into
+place in the receive buffer. The rows a rank sends itself never enter a round: they are copied into place locally, so
+traffic that mostly stays home (particles that moved a little) takes a round or two. Balanced traffic takes about
+seven rounds and moves the same bytes as a tiled ``all_to_all``; skewed traffic (everything to one rank) takes up to
+``6.4 size`` rounds. Memory is the receive buffer plus one round's blocks (about 60% of it), whatever the traffic.
+That is the CPU preset of :class:`ExchangeTuning`; the GPU preset sizes a round for the whole share (one round, one
+sequential step, for balanced traffic).
 
 This module holds what does not depend on how blocks travel: the sizing of rounds (:func:`default_chunk`,
 :func:`share_chunk`, :func:`chunk_ladder`), the rounds themselves (:func:`chunked`, written against an ``all_to_all``
@@ -27,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ._tuning import resolve_tuning
-from .core import vary_over, varying
+from .core import axes_index, vary_over, varying
 
 #: Rows per rank pair and round of the chunked path: one size, ``None`` for :func:`default_chunk`, or a ladder of
 #: sizes (a tuple) from which each call picks at run time the smallest that moves the largest count in one round
@@ -186,7 +188,7 @@ class Route(NamedTuple):
     send_offsets: jax.Array  # where each rank's rows start in my send order
     recv_counts: jax.Array  # rows each rank sends me
     recv_offsets: jax.Array  # where each source's rows start in my receive buffer
-    largest: jax.Array  # () the largest count any rank sends any rank: it fixes the number of rounds
+    largest: jax.Array  # () the largest count any rank sends another rank (or more): it fixes the number of rounds
 
 
 class Rounds(NamedTuple):
@@ -252,14 +254,17 @@ def group_by_width(buffers: Sequence[jax.Array], capacity: int, size: int) -> Ro
     return Rounds(capacity, size, packed, loose)
 
 
-def round_lanes(route: Route, place: Placement, capacity: int, t: jax.Array, lanes: jax.Array) -> Lanes:
-    """Round ``t`` moves rows ``t * c .. t * c + c - 1`` of every rank pair's block (``lanes = arange(c)``)."""
+def round_lanes(route: Route, place: Placement, capacity: int, t: jax.Array, lanes: jax.Array,
+                me: jax.Array | int) -> Lanes:
+    """Round ``t`` moves rows ``t * c .. t * c + c - 1`` of every rank pair's block (``lanes = arange(c)``) but the
+    rows a rank keeps (rank ``me``'s block: :func:`own_rows` copies them)."""
     start = t * lanes.shape[0]
-    sending = (start + lanes)[None, :] < route.send_counts[:, None]
+    peer = (jnp.arange(route.send_counts.shape[0], dtype=jnp.int32) != me)[:, None]
+    sending = peer & ((start + lanes)[None, :] < route.send_counts[:, None])
     at_send = jnp.clip(route.send_offsets[:, None] + start + lanes[None, :], 0, None)
     perm = place.perm
     rows = at_send if perm is None else perm[jnp.clip(at_send, 0, max(perm.shape[0] - 1, 0))]
-    receiving = (start + lanes)[None, :] < route.recv_counts[:, None]
+    receiving = peer & ((start + lanes)[None, :] < route.recv_counts[:, None])
     # Rows past the buffer (overflow) and empty lanes point at row ``capacity`` and are dropped.
     dest = jnp.where(receiving, route.recv_offsets[:, None] + start + lanes[None, :], capacity).reshape(-1)
     return Lanes(sending, at_send, rows, receiving, dest)
@@ -329,9 +334,9 @@ def loose_round(arrays: Sequence[jax.Array], outs: list[jax.Array], lanes: Lanes
 
 
 def one_round(arrays: Sequence[jax.Array], route: Route, place: Placement, rounds: Rounds, all_to_all: AllToAll,
-              t: jax.Array, lanes: jax.Array, carry: Received) -> Received:
-    """Round ``t``: every rank pair's next ``c`` rows, received straight into place."""
-    lane_view = round_lanes(route, place, rounds.capacity, t, lanes)
+              me: jax.Array | int, t: jax.Array, lanes: jax.Array, carry: Received) -> Received:
+    """Round ``t``: every pair of different ranks' next ``c`` rows, received straight into place."""
+    lane_view = round_lanes(route, place, rounds.capacity, t, lanes, me)
     outs = list(carry.buffers)
     if rounds.packed or place.target is not None:
         lane_view = packed_round(arrays, outs, lane_view, place, rounds, all_to_all)
@@ -339,14 +344,53 @@ def one_round(arrays: Sequence[jax.Array], route: Route, place: Placement, round
     return Received(tuple(outs))
 
 
+def own_rows(arrays: Sequence[jax.Array], route: Route, place: Placement, rounds: Rounds, me: jax.Array | int,
+             block: int, carry: Received) -> Received:
+    """The rows a rank sends itself, copied into place in local steps of ``block`` rows (no collective: the number
+    of steps is this rank's own).
+
+    The rounds then follow the largest count between *different* ranks: traffic that mostly stays home (particles
+    that moved a little since their last exchange) takes a round or two instead of ``count / c``."""
+    capacity = rounds.capacity
+    lanes = jnp.arange(block, dtype=jnp.int32)
+    count, first, home = route.send_counts[me], route.send_offsets[me], route.recv_offsets[me]
+    perm = place.perm
+
+    def step(t: jax.Array, carry: Received) -> Received:
+        j = t * block + lanes
+        at_send = jnp.clip(first + j, 0, None)
+        rows = at_send if perm is None else perm[jnp.clip(at_send, 0, max(perm.shape[0] - 1, 0))]
+        if place.target is None:
+            dest = home + j
+        else:
+            dest = jnp.take(place.target.astype(jnp.int32), at_send, axis=0, mode="clip")
+            dest = jnp.where(dest >= 0, dest, capacity)
+        dest = jnp.where(j < count, dest, capacity)
+        outs = list(carry.buffers)
+        for k, out in enumerate(outs):
+            got = arrays[k].at[rows].get(mode="clip", wrap_negative_indices=False)
+            fn = place.row_map(k)
+            got = got if fn is None else fn(got)
+            if got.dtype != out.dtype:  # (a row map's words, received as the buffer's type)
+                got = from_words(to_words(got[None])[0], out)
+            outs[k] = out.at[dest].set(got.reshape(block, *out.shape[1:]), mode="drop")
+        return Received(tuple(outs))
+
+    steps = jnp.maximum(-(-count // block), 0).astype(jnp.int32)
+    return lax.fori_loop(jnp.int32(0), steps, step, carry)
+
+
 def rounds_of(c: int, arrays: Sequence[jax.Array], route: Route, place: Placement, rounds: Rounds,
-              all_to_all: AllToAll, carry: Received) -> Received:
-    """As many rounds of ``c`` rows per rank pair as the largest count needs (at least one)."""
+              all_to_all: AllToAll, me: jax.Array | int, carry: Received) -> Received:
+    """As many rounds of ``c`` rows per rank pair as the largest count between ranks needs (at least one), then the
+    rows each rank keeps (in local steps of a quarter of a round's ``size * c`` rows: their temporaries stay below
+    the round's)."""
     lanes = jnp.arange(c, dtype=jnp.int32)
     count = -(-jnp.minimum(route.largest, rounds.capacity) // c)
-    step = functools.partial(one_round, arrays, route, place, rounds, all_to_all)
-    return lax.fori_loop(jnp.int32(0), jnp.maximum(count, 1).astype(jnp.int32),
-                         lambda t, carry: step(t, lanes, carry), carry)
+    step = functools.partial(one_round, arrays, route, place, rounds, all_to_all, me)
+    carry = lax.fori_loop(jnp.int32(0), jnp.maximum(count, 1).astype(jnp.int32),
+                          lambda t, carry: step(t, lanes, carry), carry)
+    return own_rows(arrays, route, place, rounds, me, max(1, min(rounds.size * c, rounds.capacity) // 4), carry)
 
 
 def chunked(arrays: Sequence[jax.Array], route: Route, *, capacity: int, axes: tuple[str, ...], chunk: Chunk,
@@ -368,7 +412,8 @@ def chunked(arrays: Sequence[jax.Array], route: Route, *, capacity: int, axes: t
     carry = initial_buffers(arrays, route, capacity, place, axes)
     rounds = group_by_width(carry.buffers, capacity, route.send_counts.shape[0])
     sizes = chunk_sizes(chunk, capacity, rounds.size)
-    run = [functools.partial(rounds_of, c, arrays, route, place, rounds, all_to_all) for c in sizes]
+    me = axes_index(axes)
+    run = [functools.partial(rounds_of, c, arrays, route, place, rounds, all_to_all, me) for c in sizes]
     if len(sizes) == 1:
         return list(run[0](carry).buffers)
     # Every rank knows ``largest``, so all take the same branch: the smallest size that moves it in one round.

@@ -63,7 +63,7 @@ class Routes(NamedTuple):
     Sender side: ``perm (n,)`` the order the rows left in (``sent (size,)`` rows to each device, in rank order: row
     ``perm[k]`` was the ``k``-th). Receiver side: ``received (size,)`` rows that came from each device, and ``back
     (cap,)`` the held rows regrouped by sender, each sender's in the order it sent them. ``largest``: the largest
-    count any device sent any device (the same everywhere). So an exchange of ``column[back]`` with send counts
+    count any device sent another device (the same everywhere). So an exchange of ``column[back]`` with send counts
     ``received`` (and ``plan=(sent, largest)``: no count exchange) gives each sender its rows' values packed by
     device in the order ``perm``.
     """
@@ -176,7 +176,7 @@ def send_rows(arrays: list[jax.Array], send_counts: jax.Array, capacity: int, *,
     the send order; rows outside ``[0, capacity)`` are dropped), instead of blocks packed by source. ``row_maps``:
     per array, ``None`` or an elementwise function applied to its rows on the way. ``plan``: ``(recv_counts,
     largest)`` when the caller already knows them (the rows each rank sends me, and the largest count any rank
-    sends any rank).
+    sends another rank, or more).
     """
     outs, recv, _ = alltoallv_many(arrays, send_counts, capacity, resolve_axes(None), "auto", chunk, perm=perm,
                                     recv_at=recv_at, init=init, target=target, row_maps=row_maps, plan=plan)
@@ -540,7 +540,7 @@ def bucket_sort(part: Any, *, box: Box | None, capacity: int | None = None, numb
     buckets = _buckets(keyed, size, by_key=False, snap=_SNAP, host_sort=host_sort)
     from_src = buckets.matrix[:, rank]
     received = jnp.sum(buckets.matrix, axis=0)
-    largest = jnp.max(buckets.matrix)
+    largest = jnp.max(jnp.where(jnp.eye(size, dtype=bool), 0, buckets.matrix))  # (the rows a rank keeps stay home)
     maps: list[Any] = [None] * len(rows_of.rows)
     if keyed.kbox.periodic:
         maps[rows_of.at_pos] = _wrap_rows(keyed.kbox)

@@ -59,7 +59,7 @@ class Ghosts(NamedTuple):
     ids: jax.Array  # (h,) ghost ids
     num: jax.Array  # ghosts received
     recv_counts: jax.Array  # (size,) ghosts received from each rank
-    largest: jax.Array  # the largest count any rank sent any rank (the rounds of an exchange over these routes)
+    largest: jax.Array  # the largest count any rank sent another rank (the rounds of an exchange over these routes)
     needed: jax.Array  # rows the send or the receive side needed
     overflow: jax.Array
     steps: jax.Array  # loop steps of the selection of the rows to send
