@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,11 +15,12 @@ from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import comm
+from .._alltoallv import alltoallv_many, exchange_counts_and_max
 from .._bounds import check_bounds, check_part, mapped_checks
 from .._errors import CapacityError
+from .._exchange import default_chunk
 from .._pytree import check_count, check_positions, row_count
 from .._tuning import tuning_backend
-from ..comm import count_by_rank
 from ..core import ALL, default_mesh, rank_info, smap
 from ..particles import Particles
 from ._grid import Grid, _box3, _shape3, cell_index, default_spec, field_sharding
@@ -32,28 +33,61 @@ def _resized(a: jax.Array, rows: int) -> jax.Array:
     return jnp.pad(a, [(0, max(rows - a.shape[0], 0))] + [(0, 0)] * (a.ndim - 1))[:rows]
 
 
-def _to_owners(part: Any, grid: Grid, capacity: int, extra: dict[str, jax.Array]
-               ) -> tuple[dict[str, jax.Array], jax.Array, jax.Array]:
+class _Owned(NamedTuple):
+    """Particles at the device owning their lower grid point (:func:`_to_owners`)."""
+
+    rows: dict[str, jax.Array]  # received rows, `(capacity, ...)` each
+    num: jax.Array  # rows held (at most ``capacity``)
+    needed: jax.Array  # the most rows any device had to receive (above ``capacity`` some were dropped)
+    back: tuple[jax.Array, ...] | None  # the return trip: perm, send and receive counts, largest count; one device: None
+
+
+def _to_owners(part: Any, grid: Grid, capacity: int, extra: dict[str, jax.Array]) -> _Owned:
     """Send every valid particle (with ``extra`` per-row leaves) to the device owning its lower grid point.
 
-    Returns the received rows, their count and the largest count any device had to receive (for the error). On one
-    device (decided at trace time) the rows stay in place: no destinations, counts or exchange.
+    The route is kept, so values computed there go back to the particles' rows (:func:`_send_back`) without sorting
+    them again or exchanging counts. On one device (decided at trace time) the rows stay in place: no
+    destinations, counts or exchange.
     """
     n = row_count(part)
     valid = jnp.arange(n, dtype=jnp.int32) < part.num
     # Padding rows may hold anything (NaN included): zeros keep them finite here, in the exchange and in gradients.
     tree = {"pos": jnp.where(valid[:, None], part.pos, 0), **extra}
-    _, size, _ = rank_info()
+    _, size, axes = rank_info()
     if size == 1:
         num = jnp.asarray(part.num, jnp.int32)
         needed = comm.allreduce(num, "max")  # (the same value, typed as replicated over a size-1 mesh axis)
-        return {name: _resized(a, capacity) for name, a in tree.items()}, jnp.minimum(num, capacity), needed
+        return _Owned({name: _resized(a, capacity) for name, a in tree.items()}, jnp.minimum(num, capacity), needed,
+                      None)
     lower, _ = cell_index(tree["pos"], grid)
-    dest = grid.owner(lower)
-    # Counted by compare-and-sum (no histogram scatter-add: a GPU serialises adds onto the same few addresses).
-    needed = jnp.max(comm.allreduce(count_by_rank(jnp.where(valid, dest, size), size)))
-    moved, num, _ = comm.exchange(tree, dest, num=part.num, capacity=capacity)
-    return moved, num, needed
+    # Grouped by a sort of one word per row: no histogram scatter-add (a GPU serialises adds onto a few addresses).
+    perm, send_counts = comm.group_by_rank(jnp.where(valid, grid.owner(lower), size), size)
+    needed = jnp.max(comm.allreduce(send_counts))
+    recv_counts, largest = exchange_counts_and_max(send_counts, axes)
+    names = list(tree)
+    outs, _, _ = alltoallv_many([tree[name] for name in names], send_counts, capacity, axes, "auto",
+                                default_chunk(capacity, size), perm=perm, plan=(recv_counts, largest))
+    num = jnp.minimum(jnp.sum(recv_counts), capacity).astype(jnp.int32)
+    return _Owned(dict(zip(names, outs, strict=True)), num, needed, (perm, send_counts, recv_counts, largest))
+
+
+def _send_back(values: jax.Array, owned: _Owned, part: Any) -> jax.Array:
+    """Per-row ``values`` `(capacity, ...)` of the owned rows back to the rows of ``part`` they came from, `(n, ...)`
+    (zeros on padding rows and on rows that did not fit at their owner)."""
+    n = row_count(part)
+    trailing = (1,) * (values.ndim - 1)
+    if owned.back is None:  # the rows never left
+        kept = (jnp.arange(n, dtype=jnp.int32) < owned.num).reshape((n, *trailing))
+        return jnp.where(kept, _resized(values, n), 0)
+    perm, send_counts, recv_counts, largest = owned.back
+    _, size, axes = rank_info()
+    # Each owner returns what it got from each device in the order it came, i.e. in that device's send order; the
+    # counts are the forward ones the other way round. A zero row past the buffer answers rows that did not fit.
+    padded = jnp.concatenate([values, jnp.zeros((1, *values.shape[1:]), values.dtype)])
+    (back,), _, _ = alltoallv_many([padded], recv_counts, n, axes, "auto", default_chunk(n, size),
+                                   plan=(send_counts, largest))
+    at = jnp.where(jnp.arange(n, dtype=jnp.int32) < jnp.sum(send_counts), perm, n)
+    return jnp.zeros((n, *values.shape[1:]), values.dtype).at[at].set(back, mode="drop")
 
 
 def _flat_corner(lower: jax.Array, corner: tuple[int, ...], grid: Grid, starts: list[jax.Array | int],
@@ -189,24 +223,51 @@ def local_paint(part: Any, shape: Sequence[int], *, box: Any, spec: Any = None, 
     _check(part, "local_paint")
     check_part(part, box, "local_paint")
     grid = Grid.local(shape, spec, box, "local_paint")
-    capacity = _capacity(capacity, part)
+    owned = _to_owners(part, grid, _capacity(capacity, part), {"mass": _masses(part)})
+    return _deposit(owned, grid, part.pos.dtype), owned.needed
+
+
+def _masses(part: Any) -> jax.Array:
+    """`(n,)` the particles' masses in the positions' dtype (ones without a ``mass`` field)."""
     n = row_count(part)
-    mass = jnp.ones((n,), part.pos.dtype) if getattr(part, "mass", None) is None else \
-        jnp.broadcast_to(jnp.asarray(part.mass, part.pos.dtype), (n,))
-    moved, num, needed = _to_owners(part, grid, capacity, {"mass": mass})
-    received = jnp.arange(capacity, dtype=jnp.int32) < num
-    lower, frac = cell_index(jnp.where(received[:, None], moved["pos"], 0), grid)
-    weight = jnp.where(received, moved["mass"], 0)
+    if getattr(part, "mass", None) is None:
+        return jnp.ones((n,), part.pos.dtype)
+    return jnp.broadcast_to(jnp.asarray(part.mass, part.pos.dtype), (n,))
+
+
+def _deposit(owned: _Owned, grid: Grid, dtype: Any) -> jax.Array:
+    """This device's block of the CIC mass field of the owned rows (halo contributions folded in)."""
+    capacity = owned.rows["pos"].shape[0]
+    received = jnp.arange(capacity, dtype=jnp.int32) < owned.num
+    lower, frac = cell_index(jnp.where(received[:, None], owned.rows["pos"], 0), grid)
+    weight = jnp.where(received, owned.rows["mass"], 0)
     padded_shape = _padded_shape(grid)
     starts = grid.block_start()
     size = math.prod(padded_shape)
-    padded = jnp.zeros((size,), part.pos.dtype)
+    padded = jnp.zeros((size,), dtype)
     for corner in _CORNERS:
         # Empty rows of the receive buffer point past the block and are dropped: at index 0 their zeros would pile
         # onto one address, which a GPU serialises (tens of milliseconds for millions of rows).
         index = jnp.where(received, _flat_corner(lower, corner, grid, starts, padded_shape), size)
         padded = padded.at[index].add(weight * _weights(frac, corner), mode="drop")
-    return fold_halo(padded.reshape(padded_shape), grid), needed
+    return fold_halo(padded.reshape(padded_shape), grid)
+
+
+def _interpolate(field: jax.Array, owned: _Owned, grid: Grid) -> jax.Array:
+    """`(capacity, *components)` the CIC interpolation of this device's block of ``field`` at the owned rows."""
+    components = field.shape[3:]
+    capacity = owned.rows["pos"].shape[0]
+    padded_shape = _padded_shape(grid)
+    padded = extend_halo(field, grid).reshape(math.prod(padded_shape), *components)
+    received = jnp.arange(capacity, dtype=jnp.int32) < owned.num
+    lower, frac = cell_index(jnp.where(received[:, None], owned.rows["pos"], 0), grid)
+    starts = grid.block_start()
+    values = jnp.zeros((capacity, *components), field.dtype)
+    for corner in _CORNERS:
+        index = _flat_corner(lower, corner, grid, starts, padded_shape)
+        weight = _weights(frac, corner).reshape((capacity,) + (1,) * len(components))
+        values = values + jnp.take(padded, index, axis=0, mode="fill", fill_value=0) * weight
+    return values
 
 
 def local_readout(field: jax.Array, part: Any, *, box: Any, spec: Any = None, capacity: int | None = None
@@ -243,29 +304,50 @@ def local_readout(field: jax.Array, part: Any, *, box: Any, spec: Any = None, ca
         raise ValueError(f"local_readout: field must be this device's 3D block (with optional trailing component "
                          f"axes), got shape {np.shape(field)}")
     grid = Grid.from_block(np.shape(field)[:3], spec, box, "local_readout")
-    components = tuple(np.shape(field)[3:])
-    capacity = _capacity(capacity, part)
-    n = row_count(part)
-    rank, size, _ = rank_info()
-    extra = {} if size == 1 else {"row": jnp.arange(n, dtype=jnp.int32), "origin": jnp.full((n,), rank, jnp.int32)}
-    moved, num, needed = _to_owners(part, grid, capacity, extra)
-    padded_shape = _padded_shape(grid)
-    padded = extend_halo(field, grid).reshape(math.prod(padded_shape), *components)
-    received = jnp.arange(capacity, dtype=jnp.int32) < num
-    lower, frac = cell_index(jnp.where(received[:, None], moved["pos"], 0), grid)
-    starts = grid.block_start()
-    values = jnp.zeros((capacity, *components), jnp.result_type(field))
-    for corner in _CORNERS:
-        index = _flat_corner(lower, corner, grid, starts, padded_shape)
-        weight = _weights(frac, corner).reshape((capacity,) + (1,) * len(components))
-        values = values + jnp.take(padded, index, axis=0, mode="fill", fill_value=0) * weight
-    if size == 1:  # the rows never left
-        kept = (jnp.arange(n, dtype=jnp.int32) < num).reshape((n,) + (1,) * len(components))
-        return jnp.where(kept, _resized(values, n), 0), needed
-    back, _, _ = comm.exchange({"value": values, "row": moved["row"]}, moved["origin"], num=num, capacity=n)
-    rows = jnp.where(jnp.arange(n, dtype=jnp.int32) < part.num, back["row"], n)
-    out = jnp.zeros((n, *components), values.dtype).at[rows].set(back["value"], mode="drop")
-    return out, needed
+    owned = _to_owners(part, grid, _capacity(capacity, part), {})
+    return _send_back(_interpolate(jnp.asarray(field), owned, grid), owned, part), owned.needed
+
+
+def local_paint_readout(part: Any, shape: Sequence[int], solve: Callable[[jax.Array], jax.Array], *, box: Any,
+                        spec: Any = None, capacity: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Paint particles, turn the mass field into other fields, and read those at the same particles (local view).
+
+    The same as :func:`local_paint`, ``solve`` and :func:`local_readout` in a row, with the particles sent once to
+    the devices owning their grid points and their values once back (instead of twice there and once back), and
+    no second sort: the values return by the route the particles came (the particle-mesh pattern: a density
+    through a Poisson solve to forces, or a smoothed density at each particle). The results are the same bits.
+
+    Args:
+        part: particles (`pos (n, 3)`, `num`, optional `mass (n,)`; unit masses without it).
+        shape: global grid shape ``(n0, n1, n2)``; grid point ``i`` sits at ``i * box / n``.
+        solve: maps this device's block of the mass field `(b0, b1, b2)` to the block of the fields to read,
+            `(b0, b1, b2)` or `(b0, b1, b2, *components)`, split like the mass field (it may call collectives:
+            ``sx.fft.local_rfftn`` and friends, with the same ``spec``).
+        box: periodic box size, one number or three.
+        spec: the fields' split over mesh axes (every axis of size > 1 must appear); ignored outside ``smap``.
+        capacity: particles a device may receive (default: the capacity of ``part``).
+
+    Returns:
+        ``(values, needed)``: `values (n, *components)` aligned with ``part``'s rows (0 on padding rows) and the most
+        particles any device had to receive (greater than ``capacity`` means particles were dropped: retry with a
+        larger ``capacity``).
+
+    Example:
+        >>> import jax.numpy as jnp, shardax as sx
+        >>> part = sx.particles.Particles(pos=jnp.array([[0.25, 0.5, 0.5], [0.5, 0.5, 0.5]]), num=jnp.int32(2))
+        >>> values, _ = sx.fields.local_paint_readout(part, (4, 4, 4), lambda rho: 2 * rho, box=1.0)
+        >>> values.tolist()
+        [2.0, 2.0]
+    """
+    _check(part, "local_paint_readout")
+    check_part(part, box, "local_paint_readout")
+    grid = Grid.local(shape, spec, box, "local_paint_readout")
+    owned = _to_owners(part, grid, _capacity(capacity, part), {"mass": _masses(part)})
+    field = jnp.asarray(solve(_deposit(owned, grid, part.pos.dtype)))
+    if field.ndim < 3 or field.shape[:3] != grid.block:
+        raise ValueError(f"local_paint_readout: solve must return this device's block {grid.block} of the fields "
+                         f"(with optional trailing component axes), got shape {field.shape}")
+    return _send_back(_interpolate(field, owned, grid), owned, part), owned.needed
 
 
 def _rows(part: Any) -> dict[str, jax.Array]:

@@ -40,16 +40,18 @@ def local_pm_forces(setup: Setup, pos: jax.Array, num: jax.Array | None = None) 
     # (by 8% at k = 0.025 h/Mpc for 32^3 particles in 1 Gpc/h, by 40% with deconvolution).
     half_cell = jnp.asarray(setup.mesh_offset * setup.box / nm, pos.dtype)
     part = Particles(pos=wrap(pos + half_cell, setup.box), num=count)
-    rho, needed = fields.local_paint(part, (nm, nm, nm), box=setup.box, spec=setup.spec, capacity=setup.capacity)
-    delta = rho * (nm**3 / total) - 1
     kern = Kernels(setup, nm, pos.dtype)
     green = kern.inv_laplace
     if setup.deconvolve:
         green = green / kern.cic_window()  # painting's window (readout's is left: deconvolving both is unstable)
-    phi = scaled(fft.local_rfftn(delta, spec=setup.spec, layout=setup.fft_layout), green)
-    components = [fft.local_irfftn(times_i(phi, -g), spec=setup.spec, layout=setup.fft_layout, s=(nm, nm, nm))
-                  for g in kern.grad]
-    # One readout of the three components: the particles travel to the mesh's owners and back once, not thrice.
-    forces, got = fields.local_readout(jnp.stack(components, axis=-1), part, box=setup.box, spec=setup.spec,
-                                       capacity=setup.capacity)
-    return forces, jnp.maximum(needed, got)
+
+    def solve(rho: jax.Array) -> jax.Array:
+        """The three force components on this device's block of the mesh, stacked on the last axis."""
+        delta = rho * (nm**3 / total) - 1
+        phi = scaled(fft.local_rfftn(delta, spec=setup.spec, layout=setup.fft_layout), green)
+        return jnp.stack([fft.local_irfftn(times_i(phi, -g), spec=setup.spec, layout=setup.fft_layout,
+                                           s=(nm, nm, nm)) for g in kern.grad], axis=-1)
+
+    # The particles travel to the mesh's owners once, and their three force components come back once.
+    return fields.local_paint_readout(part, (nm, nm, nm), solve, box=setup.box, spec=setup.spec,
+                                      capacity=setup.capacity)
