@@ -40,7 +40,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for name, mesh in (("one_device", make_mesh((1,))), ("devices_8", make_mesh((8,)))):
         run_job(dataclasses.replace(OPTIONS, out=str(outs[name])), mesh=mesh, show=False)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDAX_", "JAX_NUM_CPU"))}
-    # The job's own cache settings in an empty cache of this run: process 0 compiles, process 1 loads its programs.
+    # The job's own cache settings, in an empty directory of this run (off on several CPU devices: all compile).
     env["JAX_COMPILATION_CACHE_DIR"] = str(root / "jax_cache")
     proc = subprocess.run([sys.executable, "-m", "shardax.cli", "nbody", *_cli_args(OPTIONS, outs["processes_2x4"]),
                            "--processes", "2", "--cpu-devices", "4", "--plain"],

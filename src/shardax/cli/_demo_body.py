@@ -29,7 +29,7 @@ def run_demo(ns: argparse.Namespace, *, print_table: bool) -> int:
     Returns:
         On process 0: 0 if every check passed, else 1. On the other processes: 0 (process 0 holds the verdict).
     """
-    from .._compile_cache import share_compiled_programs, use_compilation_cache
+    from .._compile_cache import settle_compilation_cache, use_compilation_cache
     from .._errors import DistributedSetupError
     from ..runtime import initialize
     from ._demo_plots import write_plots
@@ -39,7 +39,7 @@ def run_demo(ns: argparse.Namespace, *, print_table: bool) -> int:
     use_compilation_cache(not getattr(ns, "no_cache", False))
     try:
         world = initialize(cpu_devices=ns.cpu_devices)
-        share_compiled_programs(world)
+        settle_compilation_cache(world)
     except DistributedSetupError as err:
         sys.stderr.write(f"shardax demo: {err}\n")
         return 1

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .._compile_cache import cache_help, share_compiled_programs, use_compilation_cache
+from .._compile_cache import cache_help, settle_compilation_cache, use_compilation_cache
 from ..runtime import ENV_NUM_PROCESSES
 from ._progress import Progress
 
@@ -180,7 +180,7 @@ def halos(ns: argparse.Namespace) -> int:
     from ._plots import mass_function_plot
 
     world = initialize(cpu_devices=ns.cpu_devices)
-    share_compiled_programs(world)
+    settle_compilation_cache(world)
     me = world.process_id
     steps = Progress(4, show=me == 0, plain=ns.plain)
     steps.say(f"shardax halos: {world.num_processes} process(es) x {world.local_device_count} {world.platform} "

@@ -14,7 +14,7 @@ import math
 import sys
 from collections.abc import Sequence
 
-from .._compile_cache import cache_help, share_compiled_programs, use_compilation_cache
+from .._compile_cache import cache_help, settle_compilation_cache, use_compilation_cache
 from ..runtime import detect_launch as detect
 from ._nbody_progress import ProgressPrinter, ProgressSink
 
@@ -148,7 +148,7 @@ def _run_here(ns: argparse.Namespace, *, cpu_devices: int | None) -> int:
     from ._nbody_job import options_from_namespace, run_job
 
     try:
-        share_compiled_programs(initialize(cpu_devices=cpu_devices))
+        settle_compilation_cache(initialize(cpu_devices=cpu_devices))
         run_job(options_from_namespace(ns), plain=ns.plain)
     except (ValueError, OSError) as err:
         sys.stderr.write(f"shardax nbody: {err}\n")

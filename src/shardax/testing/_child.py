@@ -1,9 +1,9 @@
 """One process of :func:`shardax.testing.run_distributed`: ``python -m shardax.testing._child SPEC``.
 
 Imports the test function's module by file path, joins the run with ``sx.initialize()``, calls the function and
-pickles its result (JAX arrays turned into NumPy) to ``result_<process_id>.pkl`` next to ``SPEC``. With JAX's
-persistent compilation cache on (:func:`run_distributed` turns it on), process 0 compiles each program of several
-processes once and the others load it (:func:`shardax._compile_cache.share_compiled_programs`).
+pickles its result (JAX arrays turned into NumPy) to ``result_<process_id>.pkl`` next to ``SPEC``. JAX's persistent
+compilation cache, when the environment turns it on, stays off for CPU runs of several devices
+(:func:`shardax._compile_cache.settle_compilation_cache`).
 """
 
 from __future__ import annotations
@@ -53,13 +53,13 @@ def main(spec_path: str) -> None:
 
     import jax
 
-    from shardax._compile_cache import share_compiled_programs, use_compilation_cache
+    from shardax._compile_cache import settle_compilation_cache, use_compilation_cache
     from shardax.runtime import initialize
 
     world = initialize()
     if jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir:  # type: ignore[attr-defined]
         use_compilation_cache(True)  # the same key for a program on every process, every program cached
-        share_compiled_programs(world)
+        settle_compilation_cache(world)
     result = jax.tree.map(_to_host, fn(*spec["args"]))
     out = os.path.join(os.path.dirname(spec_path), f"result_{world.process_id}.pkl")
     with open(out + ".tmp", "wb") as f:

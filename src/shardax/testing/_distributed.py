@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from .. import runtime
-from .._compile_cache import cache_env_unless_set
 from ..runtime import CaptureSink, JobResult
 
 Launcher = Literal["shardax", "mpirun"]
@@ -133,11 +132,9 @@ def run_distributed(fn: Callable[..., Any], *args: Any, num_processes: int = 2, 
     ``fn(*args)`` and pickles the result (fully addressable JAX arrays become NumPy arrays). Keep module-level code
     of that file free of JAX computations: the backend must not start before ``sx.initialize()``.
 
-    The processes compile each program once: JAX's persistent compilation cache is on in them (in a temporary
-    directory, unless the environment sets ``JAX_COMPILATION_CACHE_DIR`` or ``JAX_ENABLE_COMPILATION_CACHE=false``),
-    and on CPU process 0 compiles every program that spans several processes and hands the executable to the
-    others. With the cache on, CPU sorts run in XLA rather than in NumPy (``SHARDAX_HOST_SORT=1`` in the environment
-    keeps NumPy's, and those programs compile on every process); results are the same bits either way.
+    Every process compiles its programs itself: on CPU, executables read back from JAX's persistent cache or
+    handed from another process may run their collectives out of order and hang (see
+    :mod:`shardax._compile_cache`), so the cache stays off there.
 
     Args:
         fn: a module-level function; its return value must be picklable (use NumPy arrays).
@@ -185,8 +182,6 @@ def run_distributed(fn: Callable[..., Any], *args: Any, num_processes: int = 2, 
         argv = ["-m", "shardax.testing._child", spec_path]
         sink = CaptureSink()
         env = _importable_env(cpu_devices)
-        if num_processes > 1:  # (process 0 compiles each program once for all: shardax.testing._child)
-            env = cache_env_unless_set(env, os.path.join(tmp, "jax_cache"))
         if mpirun is None:
             result = runtime.launch(argv, num_processes=num_processes, cpu_devices=cpu_devices,
                                     timeout_s=timeout_s, env=env, sink=sink)
