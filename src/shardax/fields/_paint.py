@@ -82,9 +82,11 @@ def _send_back(values: jax.Array, owned: _Owned, part: Any) -> jax.Array:
     perm, send_counts, recv_counts, largest = owned.back
     _, size, axes = rank_info()
     # Each owner returns what it got from each device in the order it came, i.e. in that device's send order; the
-    # counts are the forward ones the other way round. A zero row past the buffer answers rows that did not fit.
+    # counts are the forward ones the other way round. A zero row past the buffer answers rows that did not fit
+    # (the chunked rounds read it for them; ragged_all_to_all would read past the buffer, as in the exchange's
+    # own gradient, shardax._alltoallv_ad).
     padded = jnp.concatenate([values, jnp.zeros((1, *values.shape[1:]), values.dtype)])
-    (back,), _, _ = alltoallv_many([padded], recv_counts, n, axes, "auto", default_chunk(n, size),
+    (back,), _, _ = alltoallv_many([padded], recv_counts, n, axes, "chunked", default_chunk(n, size),
                                    plan=(send_counts, largest))
     at = jnp.where(jnp.arange(n, dtype=jnp.int32) < jnp.sum(send_counts), perm, n)
     return jnp.zeros((n, *values.shape[1:]), values.dtype).at[at].set(back, mode="drop")
