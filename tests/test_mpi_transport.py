@@ -135,9 +135,12 @@ def _reports(out: str) -> list[dict]:
 @pytest.mark.multiprocess
 @pytest.mark.mpi
 @needs_mpi
-@pytest.mark.parametrize("devices", [1, 4])
-def test_every_collective_same_through_mpi_and_gloo(devices: int) -> None:
-    code, out = _mpirun("checks", devices)
+@pytest.mark.parametrize(("devices", "native"), [(1, "auto"), (1, "0"), (4, "auto")],
+                         ids=["1-native", "1-host", "4"])
+def test_every_collective_same_through_mpi_and_gloo(devices: int, native: str) -> None:
+    """With one device per process every collective over the whole run is lowered to the native MPI call (built
+    with mpicc here), with ``SHARDAX_MPI_NATIVE=0`` and with 4 devices per process none is (host calls)."""
+    code, out = _mpirun("checks", devices, {"SHARDAX_MPI_NATIVE": native})
     assert code == 0, f"mpirun exited with {code}:\n{out[-6000:]}"
     reports = _reports(out)
     assert sorted(r["process"] for r in reports) == [0, 1], out[-6000:]
@@ -145,6 +148,11 @@ def test_every_collective_same_through_mpi_and_gloo(devices: int) -> None:
         assert r["transport"] == "mpi", r
         assert r["failures"] == [], r
         assert r["checked"] >= 20, r
+        if devices == 1 and native == "auto" and shutil.which("mpicc"):
+            assert "native FFI call" in r["how"], r
+            assert set(r["native"]) == {"allreduce", "allgather", "alltoall", "permute", "ragged"}, r
+        else:
+            assert r["native"] == {}, r
 
 
 @pytest.mark.multiprocess
@@ -364,8 +372,10 @@ def _worker(mode: str) -> None:
     failures += _references(through_mpi, w.device_count, local)
     if not (mpi_traced and all(mpi_traced)) or not gloo_traced or any(gloo_traced):
         failures.append(f"the transports were not both traced: mpi {mpi_traced}, gloo {gloo_traced}")
+    from shardax import _mpi_native
+
     report = {"process": jax.process_index(), "transport": transport, "checked": len(through_mpi),
-              "failures": failures}
+              "failures": failures, "native": dict(_mpi_prim.native_lowerings), "how": _mpi_native.reason()}
     print("REPORT " + json.dumps(report), flush=True)
 
 

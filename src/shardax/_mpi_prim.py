@@ -9,6 +9,7 @@ invariant over the collective's axes, permutations vary over them.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,11 +24,13 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from . import _mpi_host as host
-from ._transport import cpu_collectives
+from . import _mpi_native
+from ._transport import cpu_collectives, mpi_world
 from .core import manual_axes, vary_over
 
 mpi_collective_p = Primitive("shardax_mpi_collective")
 mpi_collective_p.multiple_results = True
+native_lowerings: collections.Counter[str] = collections.Counter()  # collectives lowered to the native call, by kind
 
 
 def mpi_active(axes: tuple[str, ...]) -> bool:
@@ -99,6 +102,11 @@ def _lowering(ctx: Any, position: Any, *operands: Any, kind: str, axes: tuple[st
                                   f"has {counts.tolist()} by process): use such a mesh (sx.flat_mesh(), "
                                   "sx.grid_mesh()) or set SHARDAX_CPU_COLLECTIVES=gloo")
     plan = host.Plan.build(devices.shape, mesh.axis_names, axes, process, jax.process_index())
+    native = _native_attrs(kind, op, pairs, plan, ctx.avals_in[1].dtype)
+    if native is not None:  # one device per process: its thread calls MPI itself, between XLA's buffers
+        native_lowerings[kind] += 1
+        lowering = jax.ffi.ffi_lowering(_mpi_native.TARGET, has_side_effect=True)
+        return lowering(ctx.replace(avals_in=ctx.avals_in[1:]), *operands, **native)
     site = host.Site(plan, _body(kind, op, pairs, capacity, size), [tuple(a.shape) for a in ctx.avals_out])
     sharding = jax_callback._callback_op_sharding(axis_context, None, ctx.avals_out)
     result, _, _ = jax_callback.emit_python_callback(
@@ -108,6 +116,69 @@ def _lowering(ctx: Any, position: Any, *operands: Any, kind: str, axes: tuple[st
 
 
 mlir.register_lowering(mpi_collective_p, _lowering, platform="cpu", cacheable=False)
+
+_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3}
+_KINDS = {"allreduce": 0, "ragged": 1, "allgather": 2, "alltoall": 2, "permute": 2}
+_REDUCIBLE = {np.dtype(t) for t in ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+                                    "float32", "float64", "complex64", "complex128")}
+
+
+def _native_attrs(kind: str, op: str | None, pairs: tuple[tuple[int, int], ...] | None, plan: host.Plan,
+                  dtype: Any) -> dict[str, Any] | None:
+    """The native call's attributes for this collective, or ``None`` where it keeps the host call: several devices
+    on this process, a group smaller than the run, a reduction MPI does not do in this dtype (or complex max/min),
+    or no native call (see :mod:`shardax._mpi_native`)."""
+    world = mpi_world()
+    mpi_rank = np.asarray(world.mpi_rank_of, np.int64)[plan.process]    # MPI rank of each mesh position
+    nprocs = world.comm.Get_size()
+    if len(plan.local) != 1 or plan.members.shape != (1, nprocs) or len(set(mpi_rank.tolist())) != nprocs:
+        return None
+    if kind == "allreduce" and (np.dtype(dtype) not in _REDUCIBLE or (
+            np.issubdtype(dtype, np.complexfloating) and op in ("max", "min"))):
+        return None
+    if _mpi_native.load() is None:
+        return None
+    attrs: dict[str, Any] = {"comm": np.int64(_mpi_native.comm_index(world.comm)), "kind": np.int64(_KINDS[kind])}
+    if kind == "allreduce":
+        assert op is not None
+        return {**attrs, "op": np.int64(_OPS[op])}
+    if kind == "ragged":
+        return {**attrs, "ranks": mpi_rank[plan.members[0]].astype(np.int64)}
+    route = {"allgather": host.allgather_route, "alltoall": host.alltoall_route,
+             "permute": lambda p: host.permute_route(p, pairs or ())}[kind](plan)
+    table = _unit_route(route, mpi_rank, plan.local[0], nprocs)
+    if table is None:
+        return None
+    return {**attrs, "route": table, "units": np.int64(route.units_in),
+            "zero": np.int64(bool((route.src_pos[plan.local[0]] < 0).any()))}
+
+
+def _unit_route(route: host.Route, mpi_rank: np.ndarray, me: int, nprocs: int) -> np.ndarray | None:
+    """``route`` for position ``me`` as ``MPI_Alltoallv``'s four arrays (send counts, send offsets, receive counts,
+    receive offsets, in units, by MPI rank), or ``None`` when a peer's units are not one run on both sides."""
+    out = np.zeros((4, nprocs), np.int64)
+
+    def runs(units_from: np.ndarray, units_to: np.ndarray) -> tuple[int, int, int] | None:
+        if units_from.size == 0:
+            return 0, 0, 0
+        steps = np.arange(units_from.size)
+        if (units_from != units_from[0] + steps).any() or (units_to != units_to[0] + steps).any():
+            return None
+        return int(units_from.size), int(units_from[0]), int(units_to[0])
+
+    for t in range(route.src_pos.shape[0]):          # what position t takes from me
+        j = np.flatnonzero(route.src_pos[t] == me)
+        got = runs(route.src_unit[t][j], j)
+        if got is None:
+            return None
+        out[0, mpi_rank[t]], out[1, mpi_rank[t]] = got[0], got[1]
+    for s in range(route.src_pos.shape[0]):          # what I take from position s
+        j = np.flatnonzero(route.src_pos[me] == s)
+        got = runs(route.src_unit[me][j], j)
+        if got is None:
+            return None
+        out[2, mpi_rank[s]], out[3, mpi_rank[s]] = got[0], got[2]
+    return out.reshape(-1)
 
 
 def _bind(kind: str, arrays: Sequence[jax.Array], axes: tuple[str, ...], size: int, *, op: str | None = None,

@@ -92,9 +92,23 @@ def _report_sections() -> list[tuple[str, list[tuple[str, str]]]]:
                   ("local devices", str(w.local_device_count)), ("global devices", str(w.device_count)),
                   ("hosts", str(w.num_hosts)), ("mode", w.mode), ("started by", where),
                   ("sx.comm between processes", _transport_line(w.num_processes, w.platform))]
+    if w.platform == "cpu" and w.num_processes > 1:
+        world_rows.append(("  one device per process", _native_line(w.local_device_count)))
     grid_rows = [(f"process {p}", " ".join(f"{d.platform}:{d.id}" for d in grid[p])) for p in range(grid.shape[0])]
     return [("versions", versions), ("world", world_rows),
             (f"device grid ({grid.shape[0]} x {grid.shape[1]})", grid_rows)]
+
+
+def _native_line(local_devices: int) -> str:
+    """How MPI collectives run where each process is one rank (the native call), and whether that applies here."""
+    from .._transport import cpu_collectives
+
+    if cpu_collectives() != "mpi":
+        return "-"
+    from .. import _mpi_native
+
+    here = "used here" if local_devices == 1 else f"not here: {local_devices} devices per process use host calls"
+    return f"{_mpi_native.reason()}; {here}"
 
 
 def _transport_line(num_processes: int, platform: str) -> str:
