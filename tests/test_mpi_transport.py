@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -139,7 +140,8 @@ def _reports(out: str) -> list[dict]:
                          ids=["1-native", "1-host", "4"])
 def test_every_collective_same_through_mpi_and_gloo(devices: int, native: str) -> None:
     """With one device per process every collective over the whole run is lowered to the native MPI call (built
-    with mpicc here), with ``SHARDAX_MPI_NATIVE=0`` and with 4 devices per process none is (host calls)."""
+    with mpicc here), with 4 devices per process the allreduces, all_to_alls and alltoallvs over every device, and with
+    ``SHARDAX_MPI_NATIVE=0`` none (host calls)."""
     code, out = _mpirun("checks", devices, {"SHARDAX_MPI_NATIVE": native})
     assert code == 0, f"mpirun exited with {code}:\n{out[-6000:]}"
     reports = _reports(out)
@@ -148,11 +150,47 @@ def test_every_collective_same_through_mpi_and_gloo(devices: int, native: str) -
         assert r["transport"] == "mpi", r
         assert r["failures"] == [], r
         assert r["checked"] >= 20, r
-        if devices == 1 and native == "auto" and shutil.which("mpicc"):
+        if native == "auto" and shutil.which("mpicc"):
             assert "native FFI call" in r["how"], r
-            assert set(r["native"]) == {"allreduce", "allgather", "alltoall", "permute", "ragged"}, r
+            kinds = {"allreduce", "allgather", "alltoall", "permute", "ragged"} if devices == 1 else \
+                {"allreduce", "alltoall", "ragged"}
+            assert set(r["native"]) == kinds, r
         else:
             assert r["native"] == {}, r
+
+
+_BUILD_PROBE = """
+import json, os
+from shardax import _mpi_native
+try:
+    print(json.dumps({"how": _mpi_native.reason(), "files": sorted(os.listdir(_mpi_native.cache_dir()))
+                      if _mpi_native.cache_dir().exists() else []}))
+except RuntimeError as err:
+    print(json.dumps({"error": str(err)}))
+"""
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_native_call_builds_in_a_fresh_cache_or_says_why_not(tmp_path: Path) -> None:
+    """The handler is compiled into an empty cache directory on first use; a compiler that fails leaves host calls
+    with the reason, or, with SHARDAX_MPI_NATIVE=1, an error naming the setting."""
+    def probe(**env: str) -> dict:
+        run_env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDAX_", "MPICC"))}
+        run_env |= {"XDG_CACHE_HOME": str(tmp_path / env.pop("cache", "ok")), "JAX_PLATFORMS": "cpu", **env}
+        done = subprocess.run([sys.executable, "-c", _BUILD_PROBE], env=run_env, capture_output=True, text=True,
+                              timeout=120, check=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    if shutil.which("mpicc"):
+        built = probe()
+        assert built["how"].startswith("native FFI call"), built
+        assert len(built["files"]) == 1 and built["files"][0].endswith(".so"), built
+    broken = probe(MPICC="false", cache="broken")
+    assert broken["how"].startswith("host calls (the native call did not build"), broken
+    assert broken["files"] == [], broken
+    assert "SHARDAX_MPI_NATIVE=1" in probe(MPICC="false", cache="strict", SHARDAX_MPI_NATIVE="1")["error"]
+    assert probe(SHARDAX_MPI_NATIVE="0", cache="off")["how"] == "host calls (SHARDAX_MPI_NATIVE=0)"
 
 
 @pytest.mark.multiprocess

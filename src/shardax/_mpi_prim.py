@@ -10,6 +10,7 @@ invariant over the collective's axes, permutations vary over them.
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -103,9 +104,11 @@ def _lowering(ctx: Any, position: Any, *operands: Any, kind: str, axes: tuple[st
                                   "sx.grid_mesh()) or set SHARDAX_CPU_COLLECTIVES=gloo")
     plan = host.Plan.build(devices.shape, mesh.axis_names, axes, process, jax.process_index())
     native = _native_attrs(kind, op, pairs, plan, ctx.avals_in[1].dtype)
-    if native is not None:  # one device per process: its thread calls MPI itself, between XLA's buffers
+    if native is not None:  # the devices' threads call MPI themselves, between XLA's buffers
         native_lowerings[kind] += 1
         lowering = jax.ffi.ffi_lowering(_mpi_native.TARGET, has_side_effect=True)
+        if native["kind"] >= 3:  # several devices per process: the mesh position tells each thread its slot
+            return lowering(ctx, position, *operands, **native)
         return lowering(ctx.replace(avals_in=ctx.avals_in[1:]), *operands, **native)
     site = host.Site(plan, _body(kind, op, pairs, capacity, size), [tuple(a.shape) for a in ctx.avals_out])
     sharding = jax_callback._callback_op_sharding(axis_context, None, ctx.avals_out)
@@ -118,6 +121,8 @@ def _lowering(ctx: Any, position: Any, *operands: Any, kind: str, axes: tuple[st
 mlir.register_lowering(mpi_collective_p, _lowering, platform="cpu", cacheable=False)
 
 _OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3}
+_MAX_LOCAL = 64                  # devices per process the native call's sites hold (MAX_LOCAL in _mpi_native.c)
+_SITES = itertools.count()       # call sites of the native call with several devices per process
 _KINDS = {"allreduce": 0, "ragged": 1, "allgather": 2, "alltoall": 2, "permute": 2}
 _REDUCIBLE = {np.dtype(t) for t in ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
                                     "float32", "float64", "complex64", "complex128")}
@@ -131,7 +136,11 @@ def _native_attrs(kind: str, op: str | None, pairs: tuple[tuple[int, int], ...] 
     world = mpi_world()
     mpi_rank = np.asarray(world.mpi_rank_of, np.int64)[plan.process]    # MPI rank of each mesh position
     nprocs = world.comm.Get_size()
-    if len(plan.local) != 1 or plan.members.shape != (1, nprocs) or len(set(mpi_rank.tolist())) != nprocs:
+    if len(set(mpi_rank.tolist())) != nprocs or plan.members.shape[0] != 1:
+        return None
+    if len(plan.local) > 1:
+        return _native_local_attrs(kind, op, plan, dtype, mpi_rank, world)
+    if len(plan.local) != 1 or plan.members.shape != (1, nprocs):
         return None
     if kind == "allreduce" and (np.dtype(dtype) not in _REDUCIBLE or (
             np.issubdtype(dtype, np.complexfloating) and op in ("max", "min"))):
@@ -151,6 +160,28 @@ def _native_attrs(kind: str, op: str | None, pairs: tuple[tuple[int, int], ...] 
         return None
     return {**attrs, "route": table, "units": np.int64(route.units_in),
             "zero": np.int64(bool((route.src_pos[plan.local[0]] < 0).any()))}
+
+
+def _native_local_attrs(kind: str, op: str | None, plan: host.Plan, dtype: Any, mpi_rank: np.ndarray,
+                        world: Any) -> dict[str, Any] | None:
+    """Attributes of the native call with several devices per process (allreduce, alltoallv and all_to_all over a
+    group of every device), or ``None``."""
+    if kind not in ("allreduce", "ragged", "alltoall") or len(plan.local) > _MAX_LOCAL:
+        return None
+    if kind == "allreduce" and (np.dtype(dtype) not in _REDUCIBLE or np.issubdtype(dtype, np.complexfloating)):
+        return None
+    if _mpi_native.load() is None:
+        return None
+    attrs: dict[str, Any] = {"comm": np.int64(_mpi_native.comm_index(world.comm)), "site": np.int64(next(_SITES)),
+                             "local": np.asarray(plan.local, np.int64)}
+    if kind == "allreduce":
+        assert op is not None
+        return {**attrs, "kind": np.int64(3), "op": np.int64(_OPS[op])}
+    process = plan.process
+    slots = np.array([int(np.sum(process[:p] == process[p])) for p in range(len(process))], np.int64)
+    attrs |= {"kind": np.int64(4), "procs": mpi_rank.astype(np.int64), "slots": slots,
+              "members": plan.members[0].astype(np.int64)}
+    return {**attrs, "fixed": np.int64(1)} if kind == "alltoall" else attrs  # (size, ...) blocks: one per rank
 
 
 def _unit_route(route: host.Route, mpi_rank: np.ndarray, me: int, nprocs: int) -> np.ndarray | None:

@@ -93,22 +93,26 @@ def _report_sections() -> list[tuple[str, list[tuple[str, str]]]]:
                   ("hosts", str(w.num_hosts)), ("mode", w.mode), ("started by", where),
                   ("sx.comm between processes", _transport_line(w.num_processes, w.platform))]
     if w.platform == "cpu" and w.num_processes > 1:
-        world_rows.append(("  one device per process", _native_line(w.local_device_count)))
+        world_rows.append(("  native call", _native_line(w.local_device_count)))
     grid_rows = [(f"process {p}", " ".join(f"{d.platform}:{d.id}" for d in grid[p])) for p in range(grid.shape[0])]
     return [("versions", versions), ("world", world_rows),
             (f"device grid ({grid.shape[0]} x {grid.shape[1]})", grid_rows)]
 
 
 def _native_line(local_devices: int) -> str:
-    """How MPI collectives run where each process is one rank (the native call), and whether that applies here."""
+    """Whether MPI collectives run as the native call here, and which of them."""
     from .._transport import cpu_collectives
 
     if cpu_collectives() != "mpi":
         return "-"
     from .. import _mpi_native
 
-    here = "used here" if local_devices == 1 else f"not here: {local_devices} devices per process use host calls"
-    return f"{_mpi_native.reason()}; {here}"
+    how = _mpi_native.reason()
+    if not how.startswith("native"):
+        return how
+    which = "every collective over the run" if local_devices == 1 else \
+        "allreduce, alltoall and alltoallv/exchange over every device; the rest as host calls"
+    return f"{how}; {which}"
 
 
 def _transport_line(num_processes: int, platform: str) -> str:
