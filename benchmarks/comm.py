@@ -6,11 +6,13 @@ Run everything (launches its own processes):
     python benchmarks/comm.py                # mpirun -n 2 at 1 and 4 devices/process, then alltoallv on 8 devices
     python benchmarks/comm.py --json out.json
     python benchmarks/comm.py --local        # only alltoallv and exchange in this process (8 CPU devices, small)
+    python benchmarks/comm.py --kernels 1000000   # also zsort and FoF at 2 processes x 4 devices, both transports
 
 Each `mpirun -n 2` launch measures, side by side in the same two processes: an allreduce of 1e6 float32 per device
 through mpi4py, mpi4jax (if installed) and sx.comm over each transport (MPI, which sx.initialize() picks under
 mpirun when mpi4py is installed, then gloo), and an alltoallv of 2 MiB per device (balanced random counts) through
-sx.comm over each transport and mpi4py's Alltoallv of the same rows between the processes. Timings are medians.
+sx.comm over each transport and mpi4py's Alltoallv of the same rows between the processes, and, as the floor of
+any XLA program with outputs of these sizes, ``v * 2`` of the same arrays. Timings are medians.
 """
 
 from __future__ import annotations
@@ -89,6 +91,13 @@ def allreduce_worker(cpu_devices: int) -> None:
         cases[f"sx.comm.alltoallv 2 MiB/device ({transport})"] = lambda f=fv, args=args: f(*args).block_until_ready()
     _transport.set_transport(chosen, "benchmark")
     cases["mpi4py Alltoallv 2 MiB/device"] = _mpi4py_alltoallv(comm, w)
+    # What any XLA program pays for a fresh output of the same size on these devices (allocation, first touch of
+    # its pages, memory bandwidth): the floor under a collective whose output XLA allocates, which mpi4py's calls
+    # into preallocated host buffers do not pay.
+    double = sx.smap(lambda v: v * 2, in_specs=(P(sx.ALL),), out_specs=P(sx.ALL), mesh=mesh, jit=True)
+    rows = ragged()[1][0]
+    cases["XLA floor: v * 2 of the allreduce input"] = lambda: double(x).block_until_ready()
+    cases["XLA floor: v * 2 of the alltoallv rows"] = lambda: double(rows).block_until_ready()
     results = _interleaved_ms(cases)
     if w.process_id == 0:
         print("RESULT " + json.dumps({"cpu_devices": cpu_devices, "transport": chosen, "ms": results}), flush=True)
@@ -222,19 +231,80 @@ def local_bench(devices: int = 8, rows: int = 4096, width: int = 16, rounds: int
     return _interleaved_ms(cases, rounds=rounds)
 
 
-def run_allreduce(cpu_devices: int) -> dict:
+def kernels_worker(n: int) -> None:
+    """zsort and FoF (b = 0.2) of ``n`` uniform points at 2 processes x 4 devices through each transport, and on one
+    device of process 0 (the other process waits), timed in turns; the FoF labels must agree bit for bit."""
+    import jax
+
+    import shardax as sx
+    from shardax import _transport
+
+    w = sx.initialize(cpu_devices=4)
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    pos = np.random.default_rng(0).random((n, 3), dtype=np.float32)
+    ll = 0.2 / n ** (1 / 3)
+    mesh = sx.flat_mesh()
+    part = sx.particles.from_numpy(pos[np.array_split(np.arange(n), w.num_processes)[w.process_id]], mesh=mesh)
+    cases, labels = {}, {}
+    chosen = _transport.cpu_collectives()
+    for transport in ("mpi", "gloo"):
+        # Fresh global functions (``.smap(mesh)`` would hand back the first transport's program): the transport is
+        # read when a program is traced.
+        _transport.set_transport(transport, "benchmark")
+        z = sx.smap(lambda p: sx.particles.zsort(p, box=1.0), in_specs=(sx.ALL,), out_specs=sx.ALL, mesh=mesh,
+                    jit=True)
+        f = sx.smap(lambda p: sx.spatial.fof(p, ll, box=1.0).labels, in_specs=(sx.ALL,), out_specs=sx.ALL,
+                    mesh=mesh, jit=True)
+        labels[transport] = np.concatenate([np.asarray(s.data).ravel() for s in sorted(
+            f(part).addressable_shards, key=lambda s: s.index[0].start or 0)])
+        cases[f"zsort 2x4 ({transport})"] = lambda z=z: jax.block_until_ready(z(part))
+        cases[f"fof 2x4 ({transport})"] = lambda f=f: jax.block_until_ready(f(part))
+    _transport.set_transport(chosen, "benchmark")
+    same = bool(np.array_equal(labels["mpi"], labels["gloo"]))
+    if w.process_id == 0:  # the local views under jax.jit on this process's first device (no collective)
+        import math
+
+        import jax.numpy as jnp
+
+        part1 = sx.particles.pad(sx.particles.Particles(pos=jnp.asarray(pos), num=jnp.int32(n),
+                                                         ids=jnp.arange(n, dtype=jnp.int32)), math.ceil(1.25 * n) - n)
+        z1 = jax.jit(lambda p: sx.particles.zsort(p, box=1.0))
+        f1 = jax.jit(lambda p: sx.spatial.fof(p, ll, box=1.0).labels)
+        cases["zsort 1 device"] = lambda: jax.block_until_ready(z1(part1))
+        cases["fof 1 device"] = lambda: jax.block_until_ready(f1(part1))
+    else:  # process 1 waits while process 0 times its one-device calls
+        cases["zsort 1 device"] = cases["fof 1 device"] = lambda: None
+
+    def fenced(fn):  # type: ignore[no-untyped-def]
+        def call() -> None:
+            comm.Barrier()
+            fn()
+        return call
+
+    results = _interleaved_ms({k: fenced(v) for k, v in cases.items()}, rounds=3, repeats=3, warmup=1)
+    if w.process_id == 0:
+        print("RESULT " + json.dumps({"n": n, "labels_same": same, "ms": results}), flush=True)
+
+
+def _mpirun_worker(*worker_args: str) -> dict:
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         raise RuntimeError("mpirun not found: apt-get install openmpi-bin")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDAX_")}
     env["JAX_PLATFORMS"] = "cpu"
     cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2", "-x", "JAX_PLATFORMS", sys.executable, __file__,
-           "--worker", str(cpu_devices)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+           *worker_args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not line:
-        raise RuntimeError(f"allreduce worker failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
+        raise RuntimeError(f"worker {worker_args} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
     return json.loads(line[0][7:])
+
+
+def run_allreduce(cpu_devices: int) -> dict:
+    return _mpirun_worker("--worker", str(cpu_devices))
 
 
 def main() -> None:
@@ -244,9 +314,16 @@ def main() -> None:
     parser.add_argument("--local", action="store_true",
                         help="only alltoallv and exchange in this process on 8 CPU devices, at small sizes")
     parser.add_argument("--rows", type=int, default=4096, help="rows per device of --local (default 4096)")
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="also time zsort and FoF of N points at 2 processes x 4 devices through each transport "
+                             "(and on one device)")
+    parser.add_argument("--kernels-worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
         allreduce_worker(args.worker)
+        return
+    if args.kernels_worker is not None:
+        kernels_worker(args.kernels_worker)
         return
     if args.local:
         ms = local_bench(rows=args.rows)
@@ -270,6 +347,18 @@ def main() -> None:
             base, label = (ref_v, "mpi4py Alltoallv") if "lltoallv" in name else (ref, "mpi4jax")
             ratio = f"  {t / base:5.2f}x {label}" if base else ""
             print(f"  {name:<42s} {t:8.2f}{ratio}")
+    if args.kernels:
+        res = _mpirun_worker("--kernels-worker", str(args.kernels))
+        report["kernels"] = res
+        ms = res["ms"]
+        print(f"\nzsort and FoF (b=0.2) of {args.kernels} uniform points, 2 processes x 4 CPU devices (median ms; "
+              f"FoF labels identical through both transports: {res['labels_same']})")
+        for kernel in ("zsort", "fof"):
+            one = ms[f"{kernel} 1 device"]
+            for transport in ("mpi", "gloo"):
+                t = ms[f"{kernel} 2x4 ({transport})"]
+                print(f"  {kernel + ' 2x4 (' + transport + ')':<42s} {t:8.1f}  {t / one:5.2f}x one device "
+                      f"({one:.1f} ms)")
     a2a = alltoallv_bench()
     report["alltoallv"] = a2a
     print("\nalltoallv vs tiled all_to_all, 8 devices, 32768 rows x 16 float32 per device (median ms)")
