@@ -6,7 +6,8 @@ of mpi4jax), each device's thread calls MPI itself, straight between XLA's buffe
 per process) keep the host calls of :mod:`shardax._mpi_host`, whose threads meet in shared memory first.
 
 The handler is compiled once per machine and MPI library with the compiler wrapper mpi4py was built with
-(``mpi4py.get_config()["mpicc"]``, else ``mpicc`` on the ``PATH``; ``$MPICC`` overrides) against the XLA FFI
+(``mpi4py.get_config()["mpicc"]``, else the vendor's ``mpicc.openmpi``/``mpicc.mpich``, else ``mpicc`` on the
+``PATH``; ``$MPICC`` overrides) against the XLA FFI
 headers jaxlib ships, into ``$XDG_CACHE_HOME/shardax/mpi`` (``~/.cache/shardax/mpi``). Nothing to install: when no
 compiler is found, or it fails, the transport keeps its host calls and ``shardax doctor`` says why.
 ``SHARDAX_MPI_NATIVE=0`` turns the native call off, ``=1`` makes a failed build an error.
@@ -40,15 +41,19 @@ def _mode() -> str:
 
 
 def _compiler() -> str | None:
+    """``$MPICC``, else the wrapper mpi4py was built with, else the vendor's own wrapper where several MPIs are
+    installed side by side (Debian's ``mpicc.openmpi``/``mpicc.mpich``), else ``mpicc``."""
     if os.environ.get("MPICC"):
         return os.environ["MPICC"]
     try:
         import mpi4py
+        from mpi4py import MPI
 
         configured = mpi4py.get_config().get("mpicc")
+        vendor = "mpich" if MPI.Get_library_version().lstrip().upper().startswith("MPICH") else "openmpi"
     except Exception:  # any failure to read mpi4py's config: fall back to the PATH
-        configured = None
-    for candidate in (configured, "mpicc"):
+        configured, vendor = None, "openmpi"
+    for candidate in (configured, f"mpicc.{vendor}", "mpicc"):
         if candidate and shutil.which(candidate.split()[0]):
             return candidate
     return None

@@ -126,17 +126,19 @@ _SITES = itertools.count()       # call sites of the native call with several de
 _KINDS = {"allreduce": 0, "ragged": 1, "allgather": 2, "alltoall": 2, "permute": 2}
 _REDUCIBLE = {np.dtype(t) for t in ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
                                     "float32", "float64", "complex64", "complex128")}
+_MOVABLE = _REDUCIBLE | {np.dtype(np.bool_), np.dtype(np.float16), np.dtype(jnp.bfloat16)}  # whole bytes per element
 
 
 def _native_attrs(kind: str, op: str | None, pairs: tuple[tuple[int, int], ...] | None, plan: host.Plan,
                   dtype: Any) -> dict[str, Any] | None:
-    """The native call's attributes for this collective, or ``None`` where it keeps the host call: several devices
-    on this process, a group smaller than the run, a reduction MPI does not do in this dtype (or complex max/min),
-    or no native call (see :mod:`shardax._mpi_native`)."""
+    """The native call's attributes for this collective, or ``None`` where it keeps the host call: a group smaller
+    than the run, elements of less than a byte (float8, int4), a reduction MPI does not do in this dtype (or complex
+    max/min), gathers and permutations with several devices on this process, or no native call (see
+    :mod:`shardax._mpi_native`)."""
     world = mpi_world()
     mpi_rank = np.asarray(world.mpi_rank_of, np.int64)[plan.process]    # MPI rank of each mesh position
     nprocs = world.comm.Get_size()
-    if len(set(mpi_rank.tolist())) != nprocs or plan.members.shape[0] != 1:
+    if len(set(mpi_rank.tolist())) != nprocs or plan.members.shape[0] != 1 or np.dtype(dtype) not in _MOVABLE:
         return None
     if len(plan.local) > 1:
         return _native_local_attrs(kind, op, plan, dtype, mpi_rank, world)

@@ -2,9 +2,11 @@
 
 A hung collective cannot be interrupted from Python, so the watchdog reports and then ends the process
 (``os._exit(75)``); the launcher (``shardax launch``, ``mpirun``, ``srun``) then ends the other processes. Each
-watched call is queued with its description and weak references to its outputs; a thread checks twice a second
-whether the oldest unfinished call's outputs are ready (``is_ready``, never blocking) and how old it is. A call costs
-the caller a few microseconds: no thread is woken per call (a waiting thread cost ~40 us per call under mpirun). Before exiting, the process posts what it was doing to the distributed
+watched call is queued with its description and its outputs; a thread checks twice a second whether the oldest
+unfinished call's outputs are ready (``is_ready``, never blocking) and how old it is, and drops the calls that have
+finished (so does each new call). A call costs the caller a few microseconds: no thread is woken per call (a waiting
+thread cost ~40 us per call under mpirun). A finished call's outputs are let go before the next call is dispatched,
+or within half a second. Before exiting, the process posts what it was doing to the distributed
 key-value store and prints what the other processes posted within a few seconds (their watchdogs fire too).
 
 Configure with ``SHARDAX_WATCHDOG_S`` (seconds; ``0`` disables; default 1800 in multi-process runs, off in one
@@ -20,7 +22,6 @@ import os
 import sys
 import threading
 import time
-import weakref
 from typing import Any
 
 import jax
@@ -33,26 +34,23 @@ class _Pending:
     number: int
     description: str
     started: float
-    outputs: list[weakref.ref]  # the call's output arrays (weakly: the watchdog keeps no buffer alive)
+    outputs: list[jax.Array]  # the call's output arrays, until the call is seen finished
     timeout_s: float
 
     def finished(self) -> bool:
-        """Whether every output still held is ready (a call whose outputs were all dropped counts as finished: no
-        one can wait for it, and a hang shows in the next call)."""
-        for ref in self.outputs:
-            array = ref()
-            if array is None:
-                continue
+        """Whether every output is ready (never blocks). The outputs are held, not weakly referenced: a caller may
+        drop the global array and wait on one of its shards (``out.addressable_shards[0].data``)."""
+        for array in self.outputs:
             try:
-                if not array.is_ready():
+                if not array.is_ready():  # pyright: ignore[reportAttributeAccessIssue]
                     return False
             except Exception:  # deleted (donated) or failed: nothing left to wait for
                 continue
         return True
 
 
-def _refs(outputs: Any) -> list[weakref.ref]:
-    return [weakref.ref(leaf) for leaf in jax.tree.leaves(outputs) if isinstance(leaf, jax.Array)]
+def _arrays(outputs: Any) -> list[jax.Array]:
+    return [leaf for leaf in jax.tree.leaves(outputs) if isinstance(leaf, jax.Array)]
 
 
 class _Watchdog:
@@ -76,7 +74,7 @@ class _Watchdog:
         timeout = self.effective_timeout()
         if timeout <= 0:
             return
-        pending = _Pending(number, description, time.monotonic(), _refs(outputs), timeout)
+        pending = _Pending(number, description, time.monotonic(), _arrays(outputs), timeout)
         with self.cond:
             if not self.threads_started:
                 self.monitor = threading.Thread(target=self._monitor, name="shardax-watchdog", daemon=True)
@@ -183,3 +181,11 @@ def configure_watchdog(timeout_s: float | None) -> None:
 def watch(number: int, description: str, outputs: Any) -> None:
     """Watch the outputs of distributed call ``number``; the run ends with a report if they are not ready in time."""
     _watchdog.watch(number, description, outputs)
+
+
+def release_finished() -> None:
+    """Let go of the outputs of the watched calls that have finished (called before a new call is dispatched, so
+    that XLA can reuse the memory of outputs the caller has dropped). Never blocks."""
+    if _watchdog.queue:
+        with _watchdog.cond:
+            _watchdog._prune()

@@ -20,7 +20,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from .._compile import compile_ahead
 from .._guard import last_call
-from .._watchdog import watch
+from .._watchdog import release_finished, watch
 from ..runtime import flat_mesh
 from ._guarded import Guarded, leaf_signature
 from ._specs import (
@@ -307,6 +307,8 @@ def _jit(fn: Callable, mesh: Mesh, *, donate: tuple[int, ...], dynamic: tuple[in
 
 def _run(fn: Callable, dyn_args: tuple, *, traced: bool) -> Any:
     """Call the global function; outside an outer jit, hand the call's result to the watchdog."""
+    if not traced:
+        release_finished()
     out = fn(*dyn_args)
     if traced:  # inside an outer jit (guarded as it is traced): the outer call is what runs
         return out
