@@ -1,9 +1,10 @@
 """The MPI transport's native call: an XLA FFI handler (``_mpi_native.c``) built on first use and loaded here.
 
-Where every process holds one device of a collective's group (``mpirun -n N`` with one CPU device each, the setup
-of mpi4jax), each device's thread calls MPI itself, straight between XLA's buffers: one ``MPI_Allreduce`` or one
-``MPI_Alltoallv`` per collective, with no Python in the call and no copy on the host. Other meshes (several devices
-per process) keep the host calls of :mod:`shardax._mpi_host`, whose threads meet in shared memory first.
+The collective runs inside XLA's program, straight between XLA's buffers, with no Python in the call. Where every
+process holds one device of the group (``mpirun -n N`` with one CPU device each, the setup of mpi4jax), each device's
+thread makes one ``MPI_Allreduce`` or ``MPI_Alltoallv``. With several devices per process, allreduce, all_to_all and
+alltoallv over every device meet at a barrier of the call site and one thread makes the MPI call for the process
+(see ``_mpi_native.c``). Other collectives of such meshes keep the host calls of :mod:`shardax._mpi_host`.
 
 The handler is compiled once per machine and MPI library with the compiler wrapper mpi4py was built with
 (``mpi4py.get_config()["mpicc"]``, else the vendor's ``mpicc.openmpi``/``mpicc.mpich``, else ``mpicc`` on the

@@ -1,10 +1,11 @@
-"""The MPI transport's JAX side: one primitive whose lowering is a host call into :mod:`shardax._mpi_host`.
+"""The MPI transport's JAX side: one primitive, lowered to the native MPI call or to a host call.
 
 Inside ``smap`` on a multi-process CPU run with the MPI transport (see :func:`mpi_active`), each ``sx.comm``
 collective binds :data:`mpi_collective_p` instead of a ``jax.lax`` collective. The lowering reads the concrete mesh
-of the program, fixes who sends what to whom (a :class:`~shardax._mpi_host.Plan`) and emits XLA's Python
-host call with side effects, once per device. The result types follow ``jax.lax``: reductions and gathers are
-invariant over the collective's axes, permutations vary over them.
+of the program, fixes who sends what to whom (a :class:`~shardax._mpi_host.Plan`) and emits, with side effects, the
+XLA FFI call of :mod:`shardax._mpi_native` where it applies (:func:`_native_attrs`), else XLA's Python host call into
+:mod:`shardax._mpi_host`, once per device. The result types follow ``jax.lax``: reductions and gathers are invariant
+over the collective's axes, permutations vary over them.
 """
 
 from __future__ import annotations
