@@ -63,7 +63,7 @@ class _Watchdog:
         self.stopping = False
         self.monitor: threading.Thread | None = None
         self.last_done = ""
-        self.process = (0, 1)  # (index, count), read in the caller's thread: the monitor never calls into JAX
+        self.process = (0, 1)  # (index, count), read in the caller's thread: the monitor only asks is_ready()
 
     def effective_timeout(self) -> float:
         if self.timeout_s is not None:
@@ -94,8 +94,8 @@ class _Watchdog:
 
     def _monitor(self) -> None:
         while not self.stopping:
-            time.sleep(0.5)
             with self.cond:
+                self.cond.wait(timeout=0.5)  # _stop wakes it at once
                 if self.stopping:
                     return
                 self._prune()
