@@ -246,13 +246,13 @@ static XLA_FFI_Error* ragged(const XLA_FFI_CallFrame* frame, MPI_Comm comm) {
     rdispl[p] = (int)at;
     at += keep;
   }
-  MPI_Datatype row;
+  MPI_Datatype row = MPI_DATATYPE_NULL;
   code = block_type(row_bytes > 0 ? row_bytes : 1, &row);
   if (code == MPI_SUCCESS)
     code = MPI_Alltoallv(x->data, scount, sdispl, row, data->data, rcount, rdispl, row, comm);
   free(table);
+  if (row != MPI_DATATYPE_NULL) MPI_Type_free(&row);
   if (code != MPI_SUCCESS) return mpi_fail(frame, "MPI_Alltoallv", code);
-  MPI_Type_free(&row);
   if (at < capacity) memset((char*)data->data + at * row_bytes, 0, (size_t)(capacity - at) * row_bytes);
   return NULL;
 }
@@ -275,13 +275,13 @@ static XLA_FFI_Error* routed(const XLA_FFI_CallFrame* frame, MPI_Comm comm) {
   if (c == NULL) return fail(frame, "shardax MPI transport: out of host memory");
   for (size_t i = 0; i < len; ++i) c[i] = (int)route[i];
   if (zero) memset(out->data, 0, elements(out) * dtype_bytes(out->dtype));
-  MPI_Datatype unit;
+  MPI_Datatype unit = MPI_DATATYPE_NULL;
   int code = block_type(unit_bytes > 0 ? unit_bytes : 1, &unit);
   if (code == MPI_SUCCESS)
     code = MPI_Alltoallv(x->data, c, c + nprocs, unit, out->data, c + 2 * nprocs, c + 3 * nprocs, unit, comm);
   free(c);
+  if (unit != MPI_DATATYPE_NULL) MPI_Type_free(&unit);
   if (code != MPI_SUCCESS) return mpi_fail(frame, "MPI_Alltoallv", code);
-  MPI_Type_free(&unit);
   return NULL;
 }
 
