@@ -16,6 +16,7 @@ import shardax as sx
 from conftest import make_mesh
 from shardax.spatial import KnnTuning, knn
 from shardax.spatial._knn_local import local_knn_steps
+from shardax.spatial._knn_pass import smallest
 
 
 def ref_knn(pos: np.ndarray, k: int, box: float | tuple | None, query: np.ndarray | None = None):
@@ -358,6 +359,65 @@ def test_gpu_tuning_lattice_ties() -> None:
         ref_d, ref_i = exact_ref(pos.astype(np.float64), 27, box)
         np.testing.assert_allclose(np.asarray(res.distances), ref_d, rtol=1e-6)
         np.testing.assert_array_equal(np.asarray(res.indices), ref_i)
+
+
+def test_threshold_selection_is_top_k() -> None:
+    """The GPU preset's selection gives lax.top_k's values and positions (equal values in position order) on rows
+    with ties, zeros, infinities, fewer than kk finite entries and none; rows marked not exact keep kk real entries
+    or infinities and never make a step take the whole top_k."""
+    rng = np.random.default_rng(21)
+    for trial in range(24):
+        rows, width = int(rng.integers(1, 40)), int(rng.integers(20, 300))
+        kk = int(rng.integers(1, 33))
+        x = rng.random((rows, width)).astype(np.float32) ** 2
+        kind = trial % 6
+        if kind == 1:
+            x = np.round(x * 16) / 16  # many equal values
+        elif kind == 2:
+            x[rng.random(x.shape) < 0.8] = np.inf  # rows with fewer than kk finite entries
+        elif kind == 3:
+            x[0] = np.inf  # a row with none
+        elif kind == 4:
+            x[rng.random(x.shape) < 0.3] = 0
+        elif kind == 5:
+            x = x * np.float32(1e-30)  # tiny values (bin edges underflow)
+        neg, want_pick = jax.lax.top_k(-jnp.asarray(x), kk)
+        want = -np.asarray(neg)
+        finite = np.isfinite(want)
+        for slots in (kk, kk + 8, 2 * kk + 16):
+            got, pick = smallest(jnp.asarray(x), kk, select="threshold", width=slots)
+            np.testing.assert_array_equal(np.asarray(got), want)
+            np.testing.assert_array_equal(np.asarray(pick)[finite], np.asarray(want_pick)[finite])
+    # Many equal values in a row that need not be exact: its kk entries are real ones within its threshold.
+    x = np.full((3, 100), 0.25, np.float32)
+    x[1] = rng.random(100)
+    exact = jnp.asarray([False, True, True])
+    got, pick = smallest(jnp.asarray(x), 5, select="threshold", width=8, exact=exact)
+    np.testing.assert_array_equal(np.asarray(got)[0], np.full(5, 0.25, np.float32))
+    np.testing.assert_array_equal(np.asarray(got)[1:], -np.asarray(jax.lax.top_k(-jnp.asarray(x[1:]), 5)[0]))
+    assert np.all(x[0][np.asarray(pick)[0]] == 0.25)
+
+
+def test_gpu_tuning_few_tied_queries() -> None:
+    """A few queries tied at their k-th neighbour reach the brute force, which takes its small chunk (one tile);
+    their ties are reordered among the few rows that hold one; compacted passes of few blocks take one small step.
+    Results equal the exact reference and the CPU preset's."""
+    rng = np.random.default_rng(22)
+    pos = rng.random((3000, 3)).astype(np.float32)
+    pos[[5, 700, 1400, 2999]] = pos[5]  # four copies: distance 0 to each other, the 3rd and 4th neighbour tied
+    n, k = len(pos), 3
+    ok, ids = jnp.ones(n, bool), jnp.arange(n, dtype=jnp.int32)
+    ref_d, ref_i = exact_ref(pos.astype(np.float64), k, 1.0)
+    cpu = knn(jnp.asarray(pos), k, box=1.0, tuning="cpu")
+    # Tiles of 1000 rows: a whole chunk (256 queries) would scan 3 tiles, the small chunk of 8 scans one.
+    for tuning in (KnnTuning(preset="gpu", brute_tile=1000), KnnTuning(preset="gpu", brute_tile=1000, later_batch=256)):
+        dist2, rows, steps = local_knn_steps(jnp.asarray(pos), ok, jnp.asarray(pos), ok, ids, k=k,
+                                             box=jnp.ones(3, jnp.float32), tuning=tuning)
+        assert int(steps.brute) == 2, steps  # one chunk, one tile
+        np.testing.assert_array_equal(np.asarray(rows), ref_i)
+        np.testing.assert_array_equal(np.asarray(rows), np.asarray(cpu.indices))
+        np.testing.assert_array_equal(np.sqrt(np.asarray(dist2)), np.asarray(cpu.distances))
+        np.testing.assert_allclose(np.sqrt(np.asarray(dist2)), ref_d, rtol=1e-6, atol=1e-7)
 
 
 def test_gpu_tuning_on_eight_devices() -> None:

@@ -267,43 +267,67 @@ class _DataTiles(NamedTuple):
     rows: jax.Array
 
 
+# Queries of the brute force's small chunk: when no more are left (the usual case: a few queries with exactly tied
+# distances), the brute force scans the data for that many queries instead of a whole chunk, in larger tiles.
+_BRUTE_FEW = 8
+
+
 def _brute_force(problem: _Problem, order: jax.Array, active: jax.Array, *,
                  into: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Replace the results ``into`` of the ``active`` queries by a scan over all data in ``order``, in chunks of
-    ``brute_queries`` queries against tiles of ``brute_tile`` rows; also the steps run."""
+    ``brute_queries`` queries against tiles of ``brute_tile`` rows (at most ``_BRUTE_FEW`` active queries: one
+    chunk of that many, against tiles as much larger); also the steps run."""
     n = problem.pos.shape[0]
     m = problem.query_pos.shape[0]
     tile, chunk = min(problem.size.brute_tile, n), min(problem.size.brute_queries, m)
-    tiles = _ordered_tiles(problem, order, tile=tile)
-    num_tiles = tiles.pos.shape[0]
+    by_order = _tie_break_order(problem, order)
     num_active = jnp.sum(active, dtype=jnp.int32)
     todo = jnp.pad(positions_of(active, m, m), (0, chunk), constant_values=m)
+    init = vary_like(_Best(*into), problem.query_pos)
 
-    def run_chunk(c: jax.Array, out: _Best) -> _Best:
-        qi = lax.dynamic_slice_in_dim(todo, c * chunk, chunk)
-        qp = problem.query_pos[jnp.minimum(qi, m - 1)]
-        init = _Best(jnp.full((chunk, problem.k), jnp.inf, problem.pos.dtype),
-                     jnp.zeros((chunk, problem.k), jnp.int32))
-        best = lax.fori_loop(0, num_tiles, functools.partial(_scan_tile, tiles, qp, problem.domain, problem.k),
-                             vary_like(init, qp))
-        return _Best(out.dist2.at[qi].set(best.dist2, mode="drop"), out.rows.at[qi].set(best.rows, mode="drop"))
+    def scan(chunk: int, tile: int, out: _Best) -> tuple[_Best, jax.Array]:
+        tiles = _ordered_tiles(problem, by_order, tile=tile)
+        num_tiles = tiles.pos.shape[0]
 
-    num_chunks = (num_active + chunk - 1) // chunk
-    out = lax.fori_loop(0, num_chunks, run_chunk, vary_like(_Best(*into), problem.query_pos))
-    return out.dist2, out.rows, num_chunks * (1 + num_tiles)
+        def run_chunk(c: jax.Array, out: _Best) -> _Best:
+            qi = lax.dynamic_slice_in_dim(todo, c * chunk, chunk)
+            qp = problem.query_pos[jnp.minimum(qi, m - 1)]
+            best = _Best(jnp.full((chunk, problem.k), jnp.inf, problem.pos.dtype),
+                         jnp.zeros((chunk, problem.k), jnp.int32))
+            best = lax.fori_loop(0, num_tiles, functools.partial(_scan_tile, tiles, qp, problem.domain, problem.k),
+                                 vary_like(best, qp))
+            return _Best(out.dist2.at[qi].set(best.dist2, mode="drop"),
+                         out.rows.at[qi].set(best.rows, mode="drop"))
+
+        num_chunks = (num_active + chunk - 1) // chunk
+        return lax.fori_loop(0, num_chunks, run_chunk, out), num_chunks * (1 + num_tiles)
+
+    few = min(chunk, _BRUTE_FEW)
+    if few == chunk:
+        out, steps = scan(chunk, tile, init)
+    else:
+        out, steps = lax.cond(num_active <= few, functools.partial(scan, few, min(tile * (chunk // few), n)),
+                              functools.partial(scan, chunk, tile), init)
+    return out.dist2, out.rows, steps
 
 
-def _ordered_tiles(problem: _Problem, order: jax.Array, *, tile: int) -> _DataTiles:
-    """The data in tie-break order (invalid rows last), padded to whole tiles of ``tile`` rows."""
-    n, dim = problem.pos.shape
-    num_tiles = -(-n // tile)
-    pad = num_tiles * tile - n
+def _tie_break_order(problem: _Problem, order: jax.Array) -> jax.Array:
+    """The data rows in tie-break order, invalid rows last."""
+    n = problem.pos.shape[0]
     # Data in tie-break order: top_k keeps the earlier of equal values, and the kept best come first.
     _, by_order = lax.sort((jnp.where(problem.data_valid, order, jnp.iinfo(jnp.int32).max),
                             jnp.arange(n, dtype=jnp.int32)), num_keys=1, is_stable=True)
+    return by_order
+
+
+def _ordered_tiles(problem: _Problem, by_order: jax.Array, *, tile: int) -> _DataTiles:
+    """The data in tie-break order (``by_order``), padded to whole tiles of ``tile`` rows."""
+    n, dim = problem.pos.shape
+    num_tiles = -(-n // tile)
+    pad = num_tiles * tile - n
     return _DataTiles(pos=jnp.pad(problem.pos[by_order], ((0, pad), (0, 0))).reshape(num_tiles, tile, dim),
-                  valid=jnp.pad(problem.data_valid[by_order], (0, pad)).reshape(num_tiles, tile),
-                  rows=jnp.pad(by_order, (0, pad)).reshape(num_tiles, tile))
+                      valid=jnp.pad(problem.data_valid[by_order], (0, pad)).reshape(num_tiles, tile),
+                      rows=jnp.pad(by_order, (0, pad)).reshape(num_tiles, tile))
 
 
 def _scan_tile(tiles: _DataTiles, qp: jax.Array, domain: Domain, k: int, t: jax.Array, best: _Best) -> _Best:
@@ -318,12 +342,27 @@ def _scan_tile(tiles: _DataTiles, qp: jax.Array, domain: Domain, k: int, t: jax.
 
 
 def _order_ties(dist2: jax.Array, rows: jax.Array, order: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Order equal distances within each result row by ``order`` (only when some row has a tie)."""
+    """Order equal distances within each result row by ``order``: only the rows with a tie are sorted (all rows when
+    more than ``m / 16`` have one)."""
+    m = dist2.shape[0]
+    tied = jnp.any((dist2[:, 1:] == dist2[:, :-1]) & jnp.isfinite(dist2[:, 1:]), axis=1)
+    count = jnp.sum(tied, dtype=jnp.int32)
+    few = min(m, max(1024, m // 16))
 
-    def resort(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        d2, r = args
+    def resort(d2: jax.Array, r: jax.Array) -> tuple[jax.Array, jax.Array]:
         d2, _, r = lax.sort((d2, order[jnp.maximum(r, 0)], r), dimension=1, num_keys=2)
         return d2, r
 
-    tied = jnp.any((dist2[:, 1:] == dist2[:, :-1]) & jnp.isfinite(dist2[:, 1:]))
-    return lax.cond(tied, resort, lambda args: args, (dist2, rows))
+    def some(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        d2, r = args
+        which = positions_of(tied, few, m)
+        sub_d2, sub_r = resort(d2[jnp.minimum(which, m - 1)], r[jnp.minimum(which, m - 1)])
+        return d2.at[which].set(sub_d2, mode="drop"), r.at[which].set(sub_r, mode="drop")
+
+    def every(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        return resort(*args)
+
+    if few == m:
+        return lax.cond(count > 0, every, lambda args: args, (dist2, rows))
+    return lax.switch(jnp.where(count == 0, 0, jnp.where(count <= few, 1, 2)),
+                      [lambda args: args, some, every], (dist2, rows))

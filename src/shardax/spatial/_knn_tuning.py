@@ -17,6 +17,7 @@ from typing import Any, Literal, NamedTuple
 from .._tuning import resolve_tuning, step_bytes
 
 SearchMethod = Literal["scan", "scan_unrolled", "sort", "compare_all"]
+SelectMethod = Literal["top_k", "threshold"]
 
 # GPU preset: sequential steps of the first pass over uniform data, and the least work a step carries.
 _GPU_FIRST_STEPS = 16
@@ -52,6 +53,12 @@ class KnnTuning:
             no sequential loop).
         slot_search: ``jnp.searchsorted``'s method for the run of each candidate slot among a block's runs
             (``"compare_all"`` compares every slot with every run; ``"scan_unrolled"`` needs memory per slot only).
+        select: how each query picks its ``k + 1`` nearest candidates from a tile: ``"top_k"`` (``lax.top_k`` over
+            every candidate; a GPU sorts the whole row) or ``"threshold"`` (two counting passes find a distance
+            that at least ``k + 1`` candidates reach, the candidates within it are packed into ``select_width``
+            slots, and ``lax.top_k`` runs over those; a step where some row has more goes the ``"top_k"`` way).
+        select_width: slots per query of the ``"threshold"`` selection (default ``max(2 (k + 1), k + 17)``, in
+            multiples of 8).
 
     Example:
         >>> import dataclasses, jax
@@ -75,12 +82,14 @@ class KnnTuning:
     brute_tile: int | None = None
     search: SearchMethod | None = None
     slot_search: SearchMethod | None = None
+    select: SelectMethod | None = None
+    select_width: int | None = None
 
     def __post_init__(self) -> None:
         if self.preset not in ("cpu", "gpu"):
             raise ValueError(f"KnnTuning: preset must be 'cpu' or 'gpu', got {self.preset!r}")
         for name in ("block", "capacity", "batch", "later_capacity", "later_batch", "later_queries", "max_passes",
-                     "brute_queries", "brute_tile"):
+                     "brute_queries", "brute_tile", "select_width"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"KnnTuning: {name} must be a positive int or None, got {value!r}")
@@ -90,6 +99,8 @@ class KnnTuning:
             if getattr(self, name) not in (None, "scan", "scan_unrolled", "sort", "compare_all"):
                 raise ValueError(f"KnnTuning: {name} must be None or a jnp.searchsorted method, got "
                                  f"{getattr(self, name)!r}")
+        if self.select not in (None, "top_k", "threshold"):
+            raise ValueError(f"KnnTuning: select must be None, 'top_k' or 'threshold', got {self.select!r}")
 
 
 PRESETS = {"cpu": KnnTuning(preset="cpu"), "gpu": KnnTuning(preset="gpu")}
@@ -103,13 +114,18 @@ def resolve(tuning: KnnTuning | str | None, where: str, devices: Any = None) -> 
 
 class Tiles(NamedTuple):
     """How one grid pass cuts its work (static): queries per block, candidate slots per block, blocks per
-    sequential step, and the ``jnp.searchsorted`` methods of the candidate runs and of each slot's run."""
+    sequential step, the ``jnp.searchsorted`` methods of the candidate runs and of each slot's run, how each
+    query selects its nearest candidates (method and packed width), and the blocks of the one step a pass of at
+    most that many blocks takes instead (0: none)."""
 
     block: int
     capacity: int
     batch: int
     search: SearchMethod
     slot_search: SearchMethod
+    select: SelectMethod
+    select_width: int
+    few_batch: int = 0
 
 
 class Sizes(NamedTuple):
@@ -127,16 +143,22 @@ class Sizes(NamedTuple):
     brute_tile: int
     search: SearchMethod
     slot_search: SearchMethod
+    select: SelectMethod
+    select_width: int
 
     @property
     def full(self) -> Tiles:
         """The tiles of the full passes (the first grid and the adapted grids)."""
-        return Tiles(self.block, self.capacity, self.batch, self.search, self.slot_search)
+        return Tiles(self.block, self.capacity, self.batch, self.search, self.slot_search, self.select,
+                     self.select_width)
 
     @property
     def compacted(self) -> Tiles:
         """The tiles of the compacted later passes."""
-        return Tiles(self.block, self.later_capacity, self.later_batch, self.search, self.slot_search)
+        # A pass over the last few uncertified queries takes one small step instead of a large one of padding.
+        few = self.later_batch // 64 if self.later_batch >= 128 else 0
+        return Tiles(self.block, self.later_capacity, self.later_batch, self.search, self.slot_search, self.select,
+                     self.select_width, few)
 
 
 def sizes(tuning: KnnTuning, dim: int, k: int, m: int, n: int) -> Sizes:
@@ -151,6 +173,7 @@ def sizes(tuning: KnnTuning, dim: int, k: int, m: int, n: int) -> Sizes:
     if tuning.preset == "cpu":
         batch = max(8, _CPU_STEP_DISTANCES // (block * capacity))
         later_batch, brute_queries, brute_tile, search, slot_search = 32, 64, 2048, "scan", "compare_all"
+        select: SelectMethod = "top_k"
     else:
         # Blocks of the first pass over uniform data: a block per `block` queries plus a partial one per grid row,
         # and 5% to spare.
@@ -165,8 +188,12 @@ def sizes(tuning: KnnTuning, dim: int, k: int, m: int, n: int) -> Sizes:
         brute_queries = min(max(m, 1), 256)
         brute_tile = min(max(distances // brute_queries, 1024), max(n, 1))
         search = slot_search = "scan_unrolled"
+        # A GPU's top_k sorts each whole row of candidates (~85% of the first pass at 1e6 points, k=9).
+        select = "threshold"
+    width = tuning.select_width or -(-max(2 * (k + 1), k + 17) // 8) * 8
     return Sizes(per_cell=per_cell, block=block, capacity=max(capacity, k + 1), batch=tuning.batch or batch,
                  later_capacity=max(later_capacity, k + 1), later_batch=tuning.later_batch or later_batch,
                  later_queries=tuning.later_queries, max_passes=tuning.max_passes,
                  brute_queries=tuning.brute_queries or brute_queries, brute_tile=tuning.brute_tile or brute_tile,
-                 search=tuning.search or search, slot_search=tuning.slot_search or slot_search)
+                 search=tuning.search or search, slot_search=tuning.slot_search or slot_search,
+                 select=tuning.select or select, select_width=max(width, k + 1))
