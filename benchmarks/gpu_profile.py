@@ -159,7 +159,7 @@ def _knn_case(n: int, k: int, repeat: int, top: int, variants: bool) -> dict[str
         return lambda: fn(part)
 
     def hlo(tuning: Any) -> str:
-        return jax.jit(lambda p: sx.spatial.knn(p, k, box=1.0, tuning=tuning)).lower(part).compile().as_text()
+        return jax.jit(lambda p: sx.spatial.knn(p, k, box=1.0, tuning=tuning)).lower(part).compile().as_text() or ""
 
     base = run(None)
     first, median, ref = _median_s(base, repeat)
@@ -191,7 +191,7 @@ def _fof_case(n: int, repeat: int, top: int) -> dict[str, Any]:
     call = lambda: fn(part)  # noqa: E731
     first, median, _ = _median_s(call, repeat)
     return {"default": {"first_s": first, "median_s": median,
-                        "profile": _profile(call, top, fn.lower(part).compile().as_text())}}
+                        "profile": _profile(call, top, fn.lower(part).compile().as_text() or "")}}
 
 
 def _fields_case(n: int, g: int, repeat: int, top: int) -> dict[str, Any]:
