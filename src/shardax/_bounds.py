@@ -26,7 +26,6 @@ from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._tuning import tuning_backend
 from .comm import allreduce
 from .core import ALL, default_mesh, smap
 
@@ -133,9 +132,8 @@ def mapped_checks(pos: jax.Array, num: Any) -> tuple[jax.Array, jax.Array, jax.A
     device) and :func:`mapped_bounds`, from one min/max pass over the positions when they are all finite.
 
     A NaN reaches the min or max and an infinite coordinate is one of them, so finite bounds prove every valid row
-    finite; only otherwise does a second pass count the bad rows and take the bounds of the finite ones. With the
-    GPU preset the pass always counts them instead: a GPU would stop for the host to read the branch's predicate.
-    Not differentiated (a check, not a result).
+    finite; only otherwise does a second pass count the bad rows and take the bounds of the finite ones. Not
+    differentiated (a check, not a result).
     """
     pos = lax.stop_gradient(pos)
     rows = jnp.arange(pos.shape[-2], dtype=jnp.int32)
@@ -149,11 +147,8 @@ def mapped_checks(pos: jax.Array, num: Any) -> tuple[jax.Array, jax.Array, jax.A
         _, low, high = _reduce(pos, valid)
         return jnp.sum(listed & ~valid, dtype=jnp.int32), low, high
 
-    if tuning_backend() == "gpu":
-        bad, lower, upper = recount(pos)
-    else:
-        zero = jnp.sum(listed & False, dtype=jnp.int32)  # (varying over the mapped axes, like the count)
-        bad, lower, upper = lax.cond(clean, lambda pos: (zero, lower, upper), recount, pos)
+    zero = jnp.sum(listed & False, dtype=jnp.int32)  # (varying over the mapped axes, like the count)
+    bad, lower, upper = lax.cond(clean, lambda pos: (zero, lower, upper), recount, pos)
     both = allreduce(jnp.concatenate([lower, -upper]), "min")
     return allreduce(bad), both[:pos.shape[-1]], -both[pos.shape[-1]:]
 
