@@ -13,7 +13,7 @@ Every result is checked against cKDTree (distances to float tolerance, indices e
 
 ``--tuning`` picks the kernel's preset (default: the backend's); the single-device process also reports the
 sequential loop steps the local search ran (first pass, adaptive passes, compacted passes, brute force): on a GPU
-each step costs a fixed ~0.3 ms whatever it holds.
+each step costs a fixed ~0.3 ms whatever it holds; and XLA's temporaries of the compiled call per point.
 
 Also reports the ghost rows each device receives on 8 devices at ``n / 8`` and ``n`` points: the exchange must grow
 like the surface of a device's piece of space (x4 for x8 points), not like its volume (x8).
@@ -173,8 +173,11 @@ def single(args: argparse.Namespace) -> dict:
 
     ok = bool(np.allclose(np.asarray(res.distances), ref_d, rtol=1e-5, atol=1e-6)) and \
         float(np.mean(np.asarray(res.indices) == ref_i)) > 0.9999
+    # XLA's temporaries of the compiled call (buffers beyond its inputs and outputs), per point.
+    temp = fn.lower(data).compile().memory_analysis()
+    temp_bytes = None if temp is None else temp.temp_size_in_bytes / args.n
     return {"time": statistics.median(ours), "cKDTree": statistics.median(theirs), "exact": ok,
-            "first_call": first_call, "steps": loop_steps(data, k, box, args.tuning)}
+            "first_call": first_call, "steps": loop_steps(data, k, box, args.tuning), "temp_bytes": temp_bytes}
 
 
 def loop_steps(data, k: int, box: float | None, tuning: str | None) -> dict:
@@ -290,8 +293,9 @@ def main() -> None:
         timings = ", ".join(f"{name} {row[name]:.2f} s" for name in times)
         mp_time = f", {args.processes}x4 {row[f'{args.processes}x4']:.2f} s" if args.processes else ""
         steps = ", ".join(f"{name} {v}" for name, v in sp["steps"].items())
+        temp = "-" if sp.get("temp_bytes") is None else f"{sp['temp_bytes']:.0f} B"
         single_time = (f", 1-device process {sp['time']:.2f} s (cKDTree there {sp['cKDTree']:.2f} s; first call "
-                       f"{sp['first_call']:.1f} s; loop steps: {steps})")
+                       f"{sp['first_call']:.1f} s; loop steps: {steps}; temporaries per point {temp})")
         checks = all(v for name, v in row.items() if name.startswith("exact"))
         print(f"{case}: {timings}{mp_time}{single_time} | {'; '.join(ratios)} | exact {checks}", flush=True)
     if max(counts) > 1:
