@@ -72,7 +72,7 @@ def _sizes(quick: bool) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------------------
 # Helpers run inside a section's process.
 
-def _timed(fn: Callable[[], Any], repeat: int) -> tuple[float, float, Any]:
+def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, float, Any]:
     """``(first call s, median of repeat calls s, result)``, each call waited for."""
     import jax
 
@@ -137,10 +137,10 @@ def _knn(n: int, k: int, sizes: dict[str, Any]) -> list[dict[str, Any]]:
     part = sx.particles.from_numpy(host, mesh=mesh)
     local_part = _local_view(part)
     local = jax.jit(lambda p: sx.spatial.knn(p, k, box=1.0))
-    first, median, res = _timed(lambda: local(local_part), repeat)
+    first, median, res = timed(lambda: local(local_part), repeat)
     peak_local = _peak_bytes()
     glob = sx.spatial.knn.smap(mesh)
-    g_first, g_median, g_res = _timed(lambda: glob(part, k, box=1.0), repeat)
+    g_first, g_median, g_res = timed(lambda: glob(part, k, box=1.0), repeat)
     peak = _peak_bytes()
     sample = np.random.default_rng(1).choice(n, sizes["samples"], replace=False)
     tree = cKDTree(host.astype(np.float64), boxsize=1.0, balanced_tree=False, compact_nodes=False)  # builds faster
@@ -184,10 +184,10 @@ def _fof(n: int, b: float, sizes: dict[str, Any], check: bool) -> list[dict[str,
     part = sx.particles.from_numpy(host, mesh=mesh)
     local_part = _local_view(part)
     local = jax.jit(lambda p: sx.spatial.fof(p, ll, box=1.0, min_members=min_members))
-    first, median, res = _timed(lambda: local(local_part), repeat)
+    first, median, res = timed(lambda: local(local_part), repeat)
     peak_local = _peak_bytes()
     glob = sx.spatial.fof.smap(mesh)
-    g_first, g_median, g_res = _timed(lambda: glob(part, ll, box=1.0, min_members=min_members), repeat)
+    g_first, g_median, g_res = timed(lambda: glob(part, ll, box=1.0, min_members=min_members), repeat)
     peak = _peak_bytes()
     results = {"jax.jit(fof)": (first, median, np.asarray(res.labels)[:n], peak_local),
                "fof.smap": (g_first, g_median, np.asarray(g_res.labels).reshape(-1)[:n], peak)}
@@ -251,21 +251,21 @@ def _paint(sizes: dict[str, Any]) -> list[dict[str, Any]]:
             out = out + field[index[:, 0], index[:, 1], index[:, 2]] * weight
         return out
 
-    first, median, rho = _timed(lambda: sx.fields.paint(part, shape, box=1.0), repeat)
-    _, ref_median, ref = _timed(lambda: plain_paint(pos), repeat)
+    first, median, rho = timed(lambda: sx.fields.paint(part, shape, box=1.0), repeat)
+    _, ref_median, ref = timed(lambda: plain_paint(pos), repeat)
     # The jitted local view on the same device: what the global function may cost at most 1.1x of.
     local_part = sx.particles.Particles(pos=pos, num=jnp.int32(n))
     local_paint = jax.jit(lambda p: sx.fields.local_paint(p, shape, box=1.0)[0])
-    _, local_median, _ = _timed(lambda: local_paint(local_part), repeat)
+    _, local_median, _ = timed(lambda: local_paint(local_part), repeat)
     err = float(jnp.max(jnp.abs(jnp.asarray(rho) - ref)) / jnp.max(ref))
     rows = [_row("paint", f"{n:.0e} -> {g}^3", first, median, "jit .at[].add", ref_median, err < 1e-4,
                  f"max rel diff {err:.1e}", vs_jit=median / local_median)]
     field = rho
-    r_first, r_median, values = _timed(lambda: sx.fields.readout(field, part, box=1.0), repeat)
+    r_first, r_median, values = timed(lambda: sx.fields.readout(field, part, box=1.0), repeat)
     field_local = jax.device_put(np.asarray(field))
-    _, ref_median, ref = _timed(lambda: plain_readout(field_local, pos), repeat)
+    _, ref_median, ref = timed(lambda: plain_readout(field_local, pos), repeat)
     local_readout = jax.jit(lambda f, p: sx.fields.local_readout(f, p, box=1.0)[0])
-    _, local_median, _ = _timed(lambda: local_readout(field_local, local_part), repeat)
+    _, local_median, _ = timed(lambda: local_readout(field_local, local_part), repeat)
     err = float(jnp.max(jnp.abs(jnp.asarray(values).reshape(-1)[:n] - ref)) / jnp.max(jnp.abs(ref)))
     rows.append(_row("readout", f"{n:.0e} <- {g}^3", r_first, r_median, "jit gather CIC", ref_median, err < 1e-5,
                      f"max rel diff {err:.1e}", vs_jit=r_median / local_median))
@@ -306,9 +306,9 @@ def _power(sizes: dict[str, Any]) -> list[dict[str, Any]]:
         psum = jax.ops.segment_sum((weight * power / window).reshape(-1), index, bins + 1)[:bins]
         return psum / jnp.maximum(modes, 1) / float(g) ** 6, modes  # V |delta_k|^2 / N^2 with V = 1
 
-    first, median, (_, pk, modes) = _timed(lambda: sx.fields.power_spectrum(field, box=1.0, bins=bins), repeat)
+    first, median, (_, pk, modes) = timed(lambda: sx.fields.power_spectrum(field, box=1.0, bins=bins), repeat)
     x_local = jax.device_put(host)
-    _, ref_median, (ref_pk, ref_modes) = _timed(lambda: plain(x_local), repeat)
+    _, ref_median, (ref_pk, ref_modes) = timed(lambda: plain(x_local), repeat)
     err = float(jnp.max(jnp.abs(pk - ref_pk) / jnp.maximum(ref_pk, 1e-30)))
     exact = err < 1e-3 and bool(jnp.all(modes == ref_modes))
     return [_row("power_spectrum", f"{g}^3, {bins} bins", first, median, "jit rfftn + binning", ref_median, exact,
@@ -331,8 +331,8 @@ def _potrs(n: int, dtype: str, sizes: dict[str, Any]) -> list[dict[str, Any]]:
     a = make(jax.random.key(0))
     b = jax.random.normal(jax.random.key(1), (n,), dtype)
     ref_fn = jax.jit(lambda a, b: jsl.cho_solve(jsl.cho_factor(a, lower=True), b))
-    first, median, x = _timed(lambda: sx.linalg.potrs(a, b), repeat)
-    _, ref_median, ref = _timed(lambda: ref_fn(a, b), repeat)
+    first, median, x = timed(lambda: sx.linalg.potrs(a, b), repeat)
+    _, ref_median, ref = timed(lambda: ref_fn(a, b), repeat)
     residual = float(jnp.linalg.norm(jnp.matmul(a, x, precision="highest") - b) / jnp.linalg.norm(b))
     diff = float(jnp.max(jnp.abs(x - ref)) / jnp.max(jnp.abs(ref)))
     # float32 products on a GPU may run in TF32 (XLA's default precision there): 1e-3-level differences.
@@ -351,8 +351,8 @@ def _syevd(sizes: dict[str, Any]) -> list[dict[str, Any]]:
     m = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     a = (m + m.T) / 2
     ref_fn = jax.jit(jnp.linalg.eigh)
-    first, median, (w, _) = _timed(lambda: sx.linalg.syevd(a), repeat)
-    _, ref_median, (ref_w, _) = _timed(lambda: ref_fn(a), repeat)
+    first, median, (w, _) = timed(lambda: sx.linalg.syevd(a), repeat)
+    _, ref_median, (ref_w, _) = timed(lambda: ref_fn(a), repeat)
     err = float(jnp.max(jnp.abs(w - ref_w)) / jnp.max(jnp.abs(ref_w)))
     return [_row("syevd", f"float32 N={n}", first, median, "jnp.linalg.eigh", ref_median, err < 1e-4,
                  f"max rel eigenvalue diff {err:.1e}")]
@@ -372,8 +372,8 @@ def _fftn(sizes: dict[str, Any]) -> list[dict[str, Any]]:
                    out_shardings=NamedSharding(mesh, P("d")))
     x = make(jax.random.key(0))
     ref_fn = jax.jit(jnp.fft.fftn)
-    first, median, out = _timed(lambda: sx.fft.fftn(x), repeat)
-    _, ref_median, ref = _timed(lambda: ref_fn(x), repeat)
+    first, median, out = timed(lambda: sx.fft.fftn(x), repeat)
+    _, ref_median, ref = timed(lambda: ref_fn(x), repeat)
     err = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
     return [_row("fftn", f"complex64 {g}^3", first, median, "jnp.fft.fftn", ref_median, err < 1e-5,
                  f"max rel diff {err:.1e}")]
@@ -392,13 +392,13 @@ def _zsort_rows(n: int, sizes: dict[str, Any], check: bool) -> list[dict[str, An
     local_part = _local_view(part)
     local = jax.jit(lambda p: sx.particles.zsort(p, box=1.0))
     glob = sx.particles.zsort.smap(mesh)
-    first, median, (out, _) = _timed(lambda: local(local_part), repeat)
-    g_first, g_median, (g_out, _) = _timed(lambda: glob(part, box=1.0), repeat)
+    first, median, (out, _) = timed(lambda: local(local_part), repeat)
+    g_first, g_median, (g_out, _) = timed(lambda: glob(part, box=1.0), repeat)
     reference = ref_s = exact = None
     detail = ""
     if check:
         ids, mass = np.arange(n), np.ones(n, np.float32)
-        _, ref_s, (ref_pos, _, _) = _timed(lambda: numpy_zsort(host, ids, mass), repeat)
+        _, ref_s, (ref_pos, _, _) = timed(lambda: numpy_zsort(host, ids, mass), repeat)
         same = [np.array_equal(np.asarray(p).reshape(-1, 3)[:n], ref_pos) for p in (out.pos, g_out.pos)]
         reference, exact = "NumPy Morton argsort", all(same)
         detail = f"positions in the NumPy order: jit {same[0]}, smap {same[1]}"
@@ -419,7 +419,7 @@ def _pm_forces(sizes: dict[str, Any]) -> list[dict[str, Any]]:
     mesh = _one_device_mesh()
     cosmo = sx.nbody.Cosmology()
     part = jax.block_until_ready(sx.nbody.lpt(cosmo, sx.nbody.white_noise(n, mesh=mesh), box=box, a=0.5, mesh=mesh))
-    first, median, forces = _timed(lambda: sx.nbody.pm_forces(part, box=box, mesh_per_side=n), repeat)
+    first, median, forces = timed(lambda: sx.nbody.pm_forces(part, box=box, mesh_per_side=n), repeat)
     try:
         from jaxpm.pm import pm_forces as jaxpm_pm_forces
     except Exception as err:  # JaxPM (and jaxdecomp) are not part of a GPU image: the row says so
@@ -429,7 +429,7 @@ def _pm_forces(sizes: dict[str, Any]) -> list[dict[str, Any]]:
     order = np.argsort(flat["ids"])
     grid_pos = jnp.asarray(flat["pos"][order].reshape(n, n, n, 3) * (n / box))
     ref_fn = jax.jit(lambda x: jaxpm_pm_forces(x, mesh_shape=(n, n, n)))
-    _, ref_median, ref = _timed(lambda: ref_fn(grid_pos), repeat)
+    _, ref_median, ref = timed(lambda: ref_fn(grid_pos), repeat)
     # Same Poisson problem and gradient stencil; JaxPM's forces are in cells, shardax's in Mpc/h (box / n per cell).
     got = np.asarray(forces).reshape(-1, 3)[: n**3][order]
     want = np.asarray(ref).reshape(-1, 3) * (box / n)

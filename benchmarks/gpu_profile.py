@@ -25,7 +25,6 @@ import dataclasses
 import glob
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -33,20 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-
-
-def _median_s(fn: Callable[[], Any], repeat: int) -> tuple[float, float, Any]:
-    import jax
-
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn())
-    first = time.perf_counter() - start
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        out = jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return first, statistics.median(times), out
+from gpu import timed  # benchmarks/gpu.py: first call and median of repeated calls, each waited for
 
 
 def _sources(hlo: str) -> dict[str, str]:
@@ -162,18 +148,18 @@ def _knn_case(n: int, k: int, repeat: int, top: int, variants: bool) -> dict[str
         return jax.jit(lambda p: sx.spatial.knn(p, k, box=1.0, tuning=tuning)).lower(part).compile().as_text() or ""
 
     base = run(None)
-    first, median, ref = _median_s(base, repeat)
+    first, median, ref = timed(base, repeat)
     out["default"] = {"first_s": first, "median_s": median, "profile": _profile(base, top, hlo(None))}
     # The other selection method beside the backend's default (threshold on a GPU, top_k on CPU).
     default = KnnTuning(preset="cpu" if jax.default_backend() == "cpu" else "gpu")
     other = dataclasses.replace(default, select="threshold" if jax.default_backend() == "cpu" else "top_k")
-    first, median, res = _median_s(run(other), repeat)
+    first, median, res = timed(run(other), repeat)
     out[f"select={other.select}"] = {"first_s": first, "median_s": median,
                                      "same_indices": bool(jnp.all(res.indices == ref.indices))}
     if variants:
         for name, tuning in {"block=16": dataclasses.replace(default, block=16),
                              "per_cell x1.5": dataclasses.replace(default, per_cell=1.5 * max(4.0, 0.5 * k))}.items():
-            first, median, res = _median_s(run(tuning), repeat)
+            first, median, res = timed(run(tuning), repeat)
             out[name] = {"first_s": first, "median_s": median,
                          "same_indices": bool(jnp.all(res.indices == ref.indices))}
             print(f"  knn {n:.0e} {name}: {median * 1e3:.2f} ms", flush=True)
@@ -189,7 +175,7 @@ def _fof_case(n: int, repeat: int, top: int) -> dict[str, Any]:
     ll = 0.2 / n ** (1 / 3)
     fn = jax.jit(lambda p: sx.spatial.fof(p, ll, box=1.0, min_members=20))
     call = lambda: fn(part)  # noqa: E731
-    first, median, _ = _median_s(call, repeat)
+    first, median, _ = timed(call, repeat)
     return {"default": {"first_s": first, "median_s": median,
                         "profile": _profile(call, top, fn.lower(part).compile().as_text() or "")}}
 
@@ -203,11 +189,11 @@ def _fields_case(n: int, g: int, repeat: int, top: int) -> dict[str, Any]:
     part = _particles(_uniform(n, seed=3))
     shape = (g, g, g)
     paint = jax.jit(lambda p: sx.fields.local_paint(p, shape, box=1.0)[0])
-    first, median, rho = _median_s(lambda: paint(part), repeat)
+    first, median, rho = timed(lambda: paint(part), repeat)
     out = {"paint": {"first_s": first, "median_s": median, "profile": _profile(lambda: paint(part), top)}}
     readout = jax.jit(lambda f, p: sx.fields.local_readout(f, p, box=1.0)[0])
     field = jnp.asarray(rho)
-    first, median, _ = _median_s(lambda: readout(field, part), repeat)
+    first, median, _ = timed(lambda: readout(field, part), repeat)
     out["readout"] = {"first_s": first, "median_s": median, "profile": _profile(lambda: readout(field, part), top)}
     return out
 
@@ -231,7 +217,7 @@ def _wrappers_case(n: int, g: int, repeat: int, top: int) -> dict[str, Any]:
              "paint": lambda: sx.fields.paint(part, (g, g, g), box=1.0)}
     out: dict[str, Any] = {}
     for name, call in calls.items():
-        first, median, _ = _median_s(call, repeat)
+        first, median, _ = timed(call, repeat)
         out[name] = {"first_s": first, "median_s": median, "profile": _profile(call, top)}
     return out
 
@@ -253,7 +239,7 @@ def _topk_case(rows: int, quick: bool, repeat: int) -> dict[str, Any]:
             "dist_only": jax.jit(lambda v: jnp.min(v, axis=1)),
         }
         for name, fn in fns.items():
-            _, median, _ = _median_s(lambda fn=fn, x=x: fn(x), repeat)
+            _, median, _ = timed(lambda fn=fn, x=x: fn(x), repeat)
             out[f"k={kk} of {width}, {name}"] = median
             print(f"  topk rows={rows} k={kk} width={width} {name}: {median * 1e3:.2f} ms", flush=True)
     return out
