@@ -9,10 +9,11 @@ device spent idle: launch gaps and the host's checks of ``while`` loop condition
     PYTHONPATH=src python benchmarks/gpu_profile.py --quick                            # tiny sizes, any backend
     PYTHONPATH=src python benchmarks/gpu_profile.py --only knn_1e7 --knn-variants      # kNN tunings side by side
 
-Cases: ``knn_1e6`` (k=9), ``knn_1e7`` (k=30), ``fof_1e7`` (b=0.2), ``paint`` and ``readout`` (1e7 particles,
-256^3), each the jitted local view on one device as ``benchmarks/gpu.py`` times it, and ``topk`` (``lax.top_k``
-against a full sort of the same rows, the selection kNN's tiles need), ``wrappers`` (``zsort.smap`` and ``paint``
-against their jitted local views at 1e6 particles). Each kNN size also times the other selection method
+Cases: ``knn_1e6`` (k=9), ``knn_1e7`` (k=30), ``fof_1e7`` (b=0.2), ``fields`` (paint and readout of 1e7
+particles on 256^3), each the jitted local view on one device as ``benchmarks/gpu.py`` times it; ``topk``
+(``lax.top_k`` against a full sort of the same rows, the selection kNN's tiles need); ``wrappers`` (``zsort.smap``
+and ``paint`` against their jitted local views at 1e6 particles). ``--no-command-buffers`` launches every kernel
+on its own, so the operations inside XLA's GPU command buffers show by name. Each kNN size also times the other selection method
 (``KnnTuning.select``); ``--knn-variants`` adds two tunings (16 queries per block, 1.5x the points per cell);
 indices are compared with the default's.
 """
