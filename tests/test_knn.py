@@ -410,15 +410,16 @@ def test_gpu_tuning_few_tied_queries() -> None:
     ok, ids = jnp.ones(n, bool), jnp.arange(n, dtype=jnp.int32)
     ref_d, ref_i = exact_ref(pos.astype(np.float64), k, 1.0)
     cpu = knn(jnp.asarray(pos), k, box=1.0, tuning="cpu")
-    # Tiles of 1000 rows: a whole chunk (256 queries) would scan 3 tiles, the small chunk of 8 scans one.
-    for tuning in (KnnTuning(preset="gpu", brute_tile=1000), KnnTuning(preset="gpu", brute_tile=1000, later_batch=256)):
-        dist2, rows, steps = local_knn_steps(jnp.asarray(pos), ok, jnp.asarray(pos), ok, ids, k=k,
-                                             box=jnp.ones(3, jnp.float32), tuning=tuning)
-        assert int(steps.brute) == 2, steps  # one chunk, one tile
-        np.testing.assert_array_equal(np.asarray(rows), ref_i)
-        np.testing.assert_array_equal(np.asarray(rows), np.asarray(cpu.indices))
-        np.testing.assert_array_equal(np.sqrt(np.asarray(dist2)), np.asarray(cpu.distances))
-        np.testing.assert_allclose(np.sqrt(np.asarray(dist2)), ref_d, rtol=1e-6, atol=1e-7)
+    # Tiles of 1000 rows: a whole chunk (256 queries) would scan 3 tiles, the small chunk of 8 scans one. Compacted
+    # passes of 256 blocks a step, or of 4 when no more are left.
+    tuning = KnnTuning(preset="gpu", brute_tile=1000, later_batch=256)
+    dist2, rows, steps = local_knn_steps(jnp.asarray(pos), ok, jnp.asarray(pos), ok, ids, k=k,
+                                         box=jnp.ones(3, jnp.float32), tuning=tuning)
+    assert int(steps.brute) == 2, steps  # one chunk, one tile
+    np.testing.assert_array_equal(np.asarray(rows), ref_i)
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(cpu.indices))
+    np.testing.assert_array_equal(np.sqrt(np.asarray(dist2)), np.asarray(cpu.distances))
+    np.testing.assert_allclose(np.sqrt(np.asarray(dist2)), ref_d, rtol=1e-6, atol=1e-7)
 
 
 def test_gpu_tuning_on_eight_devices() -> None:
