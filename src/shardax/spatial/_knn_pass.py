@@ -83,8 +83,7 @@ def smallest(d2: jax.Array, kk: int, *, select: str, width: int, exact: jax.Arra
     """
     c = d2.shape[-1]
     if select == "top_k" or width >= c:
-        neg, pick = lax.top_k(-d2, kk)
-        return -neg, pick
+        return _top_k(d2, kk)
     lead = d2.shape[:-1]
     flat = d2.reshape(-1, c)
     rows = flat.shape[0]
@@ -104,20 +103,22 @@ def smallest(d2: jax.Array, kk: int, *, select: str, width: int, exact: jax.Arra
             jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), flat.shape).reshape(-1), mode="drop",
             unique_indices=distinct).reshape(rows, width)
         values = jnp.where(where < c, jnp.take_along_axis(flat, jnp.minimum(where, c - 1), axis=1), jnp.inf)
-        neg, pick = lax.top_k(-values, kk)
+        best, pick = _top_k(values, kk)
         # A row with fewer than kk finite entries fills its tail with +inf entries; lax.top_k over the whole row
         # would name the first infinite positions, which these are not: they are only read through invalid slots.
-        return -neg, jnp.minimum(jnp.take_along_axis(where, pick, axis=1), c - 1)
-
-    def whole(flat: jax.Array) -> tuple[jax.Array, jax.Array]:
-        neg, pick = lax.top_k(-flat, kk)
-        return -neg, pick
+        return best, jnp.minimum(jnp.take_along_axis(where, pick, axis=1), c - 1)
 
     fits = count <= width
     if exact is not None:
         fits = fits | ~exact.reshape(-1)
-    best, pick = lax.cond(jnp.all(fits), packed, whole, flat)
+    best, pick = lax.cond(jnp.all(fits), packed, lambda flat: _top_k(flat, kk), flat)
     return best.reshape(*lead, kk), pick.reshape(*lead, kk)
+
+
+def _top_k(d2: jax.Array, kk: int) -> tuple[jax.Array, jax.Array]:
+    """The ``kk`` smallest values along the last axis, ascending, and their positions (``lax.top_k`` of ``-d2``)."""
+    neg, pick = lax.top_k(-d2, kk)
+    return -neg, pick
 
 
 def _threshold(d2: jax.Array, kk: int) -> tuple[jax.Array, jax.Array]:
