@@ -283,7 +283,8 @@ def dist2(a: jax.Array, b: jax.Array, box: jax.Array | None) -> jax.Array:
         dx = a[..., :, None, axis] - b[..., None, :, axis]
         if box is not None:
             dx = dx - box[axis] * jnp.round(dx * (1 / box[axis]))
-        total = dx * dx if total is None else total + dx * dx
+        square = jnp.maximum(dx * dx, 0)   # rounded on its own, never fused into the sum (see _knn_pass.pair_dist2)
+        total = square if total is None else total + square
     assert total is not None
     return total
 

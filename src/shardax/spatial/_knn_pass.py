@@ -54,7 +54,10 @@ def pair_dist2(q: jax.Array, c: jax.Array, domain: Domain) -> jax.Array:
             box = domain.extent[axis]
             half = box * 0.5
             dx = jnp.where(dx > half, dx - box, jnp.where(dx < -half, dx + box, dx))
-        return dx * dx
+        # max(., 0) changes no value; it keeps each square rounded on its own. Without it, a compiler may fuse a
+        # square into the next sum as one fused multiply-add in one program and not in another (XLA:CPU's
+        # older per-op emitters do), and the same pair would get distances an ulp apart.
+        return jnp.maximum(dx * dx, 0)
 
     total = axis_dist2(0)
     for axis in range(1, q.shape[-1]):
