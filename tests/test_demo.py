@@ -31,6 +31,7 @@ from shardax.cli._demo_table import (
 from shardax.cli._halos import generate
 
 
+@pytest.mark.slow  # its kernels and checks are tested at every scale elsewhere; `pytest -m slow` runs it
 @pytest.mark.multiprocess
 @pytest.mark.timeout(1200)  # about 2 minutes on an idle 2-core machine, mostly XLA compiling; much more under load
 def test_default_demo_passes_every_check(tmp_path) -> None:
