@@ -163,3 +163,33 @@ def test_tuning_follows_the_devices_a_kernel_runs_on(monkeypatch: pytest.MonkeyP
     assert seen == ["cpu"]
     monkeypatch.setenv("SHARDAX_TUNING", "gpu")  # the override still wins
     assert tuning_backend(mesh.devices) == "gpu"
+
+
+def test_particle_kernels_take_the_per_op_emitters_unless_told_otherwise() -> None:
+    rule = _compile.particle_compiler_options
+    per_op = {"xla_cpu_use_fusion_emitters": False}
+    assert rule({}) == per_op and rule({"SHARDAX_CPU_EMITTERS": "per-op"}) == per_op
+    assert rule({"SHARDAX_CPU_EMITTERS": "fusion"}) is None
+    assert rule({"XLA_FLAGS": "--xla_cpu_use_fusion_emitters=true"}) is None  # the user's flag decides
+    with pytest.raises(ValueError, match="SHARDAX_CPU_EMITTERS='fast'.*'per-op'.*'fusion'"):
+        rule({"SHARDAX_CPU_EMITTERS": "fast"})
+
+
+def test_smap_hands_compiler_options_to_xla() -> None:
+    x = jnp.arange(32.0).reshape(8, 4)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",))
+
+    def double(v: jax.Array) -> jax.Array:
+        return v * 2
+
+    def mapped(options: object, jit: bool = True):
+        return sx.smap(double, in_specs=(P(sx.ALL),), out_specs=P(sx.ALL), mesh=mesh, jit=jit,
+                       compiler_options=options)  # type: ignore[arg-type]
+
+    np.testing.assert_array_equal(mapped({"xla_cpu_use_fusion_emitters": False})(x), 2 * np.asarray(x))
+    with pytest.raises(Exception, match="xla_no_such_option"):  # it reaches XLA, which names what it does not know
+        mapped({"xla_no_such_option": True})(x)
+    with pytest.raises(TypeError, match="compiler_options must be a dict"):
+        mapped([("xla_cpu_use_fusion_emitters", False)])
+    with pytest.raises(ValueError, match="compiler_options needs jit=True"):
+        mapped({"xla_cpu_use_fusion_emitters": False}, jit=False)

@@ -60,7 +60,8 @@ def default_mesh(mesh: Mesh | None) -> Mesh:
 
 
 def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = None, expand: bool = True,
-         jit: bool = False, donate_argnums: int | tuple[int, ...] = (), name: str | None = None) -> Callable:
+         jit: bool = False, donate_argnums: int | tuple[int, ...] = (), name: str | None = None,
+         compiler_options: dict[str, Any] | None = None) -> Callable:
     """``jax.shard_map`` with the conveniences of MPI-style particle codes.
 
     On top of ``jax.shard_map``:
@@ -88,6 +89,8 @@ def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = N
             static argument).
         name: how the program guard's and the watchdog's messages name the function (e.g. ``"knn.smap"``);
             default: the public shardax function called, else ``f``'s qualified name.
+        compiler_options: XLA options of the jitted program, as ``jax.jit``'s (needs ``jit=True``); options of
+            XLA:CPU's compiler (``xla_cpu_*``) are dropped where the mesh holds no CPU device.
 
     Returns:
         The global function, taking the same arguments as ``f`` (keyword arguments are bound by ``f``'s signature).
@@ -104,7 +107,8 @@ def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = N
         >>> pos.shape == (sx.world().device_count, 100, 3) and loc.shape == (sx.world().device_count,)
         True
     """
-    donate = _check_options(f, expand=expand, jit=jit, donate_argnums=donate_argnums, name=name)
+    donate = _check_options(f, expand=expand, jit=jit, donate_argnums=donate_argnums, name=name,
+                            compiler_options=compiler_options)
     local = _Local(f)
     guard = Guarded(f, name, local.params, local.arg_name)
     layouts: dict[int, _Layout] = {}
@@ -123,7 +127,8 @@ def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = N
         program = cache.get(key)
         if program is None:
             program = cache[key] = _build(local, the_mesh, args, layout, out_specs=out_specs, expand=expand, jit=jit,
-                                          donate=donate, donate_text=f"donate_argnums={donate_argnums!r}")
+                                          donate=donate, donate_text=f"donate_argnums={donate_argnums!r}",
+                                          compiler_options=compiler_options)
         elif shapes not in program.checked:
             _dynamic_specs(local, the_mesh, args, layout, expand=expand)  # raises on a shape the specs cannot split
         program.checked.add(shapes)
@@ -134,7 +139,8 @@ def smap(f: Callable, /, *, in_specs: Any, out_specs: Any, mesh: Mesh | None = N
     return global_fn
 
 
-def _check_options(f: Any, *, expand: Any, jit: Any, donate_argnums: Any, name: Any) -> tuple[int, ...]:
+def _check_options(f: Any, *, expand: Any, jit: Any, donate_argnums: Any, name: Any,
+                   compiler_options: Any) -> tuple[int, ...]:
     """Reject bad ``smap`` options with the argument named; ``donate_argnums`` as a tuple."""
     if not callable(f):
         raise TypeError(f"smap needs a callable, got {type(f).__name__}")
@@ -148,6 +154,11 @@ def _check_options(f: Any, *, expand: Any, jit: Any, donate_argnums: Any, name: 
         raise ValueError("donate_argnums needs jit=True (only a jitted call can reuse the donated buffers)")
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a str or None, got {type(name).__name__}")
+    if compiler_options is not None:
+        if not isinstance(compiler_options, dict) or not all(isinstance(k, str) for k in compiler_options):
+            raise TypeError(f"compiler_options must be a dict of XLA option names to values, got {compiler_options!r}")
+        if not jit:
+            raise ValueError("compiler_options needs jit=True (they apply to the jitted program)")
     return donate
 
 
@@ -235,13 +246,14 @@ class _Program(NamedTuple):
 
 
 def _build(local: _Local, mesh: Mesh, args: tuple, layout: _Layout, *, out_specs: Any, expand: bool, jit: bool,
-           donate: tuple[int, ...], donate_text: str) -> _Program:
+           donate: tuple[int, ...], donate_text: str, compiler_options: dict[str, Any] | None) -> _Program:
     """The :class:`_Program` of a new cache key: arguments checked against their specs, shard-mapped, jitted."""
     dyn_specs = _dynamic_specs(local, mesh, args, layout, expand=expand)
     fn = _shard_mapped(local, mesh, static_values={i: args[i] for i in layout.static}, n_args=len(args),
                        in_specs=dyn_specs, out_specs=out_specs, expand=expand)
     if jit:
-        fn = _jit(fn, mesh, donate=donate, dynamic=layout.dynamic, donate_text=donate_text, fname=local.name)
+        fn = _jit(fn, mesh, donate=donate, dynamic=layout.dynamic, donate_text=donate_text, fname=local.name,
+                  compiler_options=compiler_options)
     return _Program(fn, set())
 
 
@@ -294,13 +306,15 @@ def _resharding(mapped: Callable, mesh: Mesh, in_specs: tuple) -> Callable:
 
 
 def _jit(fn: Callable, mesh: Mesh, *, donate: tuple[int, ...], dynamic: tuple[int, ...], donate_text: str,
-         fname: str) -> Callable:
+         fname: str, compiler_options: dict[str, Any] | None) -> Callable:
     """``jax.jit`` of ``fn`` with the donated arguments numbered among the array ones, compiled for ``mesh``."""
     for i in donate:
         if i not in dynamic:
             raise ValueError(f"{donate_text}: {i} is not a positional array argument of {fname} (static ones "
                              "cannot be donated)")
-    jitted = jax.jit(fn, donate_argnums=tuple(dynamic.index(i) for i in donate))
+    if compiler_options and not any(d.platform == "cpu" for d in mesh.devices.flat):
+        compiler_options = {k: v for k, v in compiler_options.items() if not k.startswith("xla_cpu_")}
+    jitted = jax.jit(fn, donate_argnums=tuple(dynamic.index(i) for i in donate), compiler_options=compiler_options or None)
     # Several CPU devices of this process: compiled with operations kept whole (see shardax._compile).
     return compile_ahead(jitted, mesh.devices.flat)
 

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import _zorder
 from .._bounds import check_bounds, check_part, mapped_bounds
+from .._compile import particle_compiler_options
 from .._errors import CapacityError
 from .._morton import Box, check_periodic_box
 from .._pytree import check_count
@@ -140,7 +141,7 @@ def _constructed(mesh: Mesh | None, jit: bool, donate: bool) -> Callable[..., An
 
             fn = smap(body, in_specs=(ALL, P() if not static_box else None),
                       out_specs=(ALL, ALL, P(), P()), mesh=mesh, jit=jit, donate_argnums=(0,) if donate else (),
-                      name="zsort.smap")
+                      name="zsort.smap", compiler_options=particle_compiler_options() if jit else None)
             cache[key] = fn
         out_part, overflow, flags, dom = fn(leaves, None if static_box else box)
         if not isinstance(flags[0], Tracer):

@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .._bounds import check_bounds, mapped_bounds
+from .._compile import particle_compiler_options
 from .._errors import CapacityError
 from .._pytree import check_count, pad_global, particle_set
 from ..comm import allgather
@@ -112,7 +113,8 @@ def global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., F
         key = (treedef, *static, *sizes)
         if key not in cache:
             cache[key] = smap(_smap_body(treedef, static, sizes), in_specs=(ALL,), out_specs=(ALL, P()), mesh=mesh,
-                              jit=jit, name="fof.smap")
+                              jit=jit, name="fof.smap",
+                              compiler_options=particle_compiler_options() if jit else None)
         return cache[key]
 
     def call(part: Any, linking_length: float, *, box: Any = None, min_members: int = 20,

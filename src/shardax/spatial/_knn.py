@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .._bounds import check_bounds, check_local, mapped_bounds
+from .._compile import particle_compiler_options
 from .._errors import CapacityError
 from .._morton import as_vector, given_box_values
 from .._pytree import check_count, particle_set
@@ -355,7 +356,8 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
                 span = mapped_bounds(pos, part.num) if static_box is not None else ()  # checked after the call
                 return result, zpart, (*checks, total, nonfinite, extent, *span)
 
-            fn = smap(body, in_specs=(ALL, ALL), out_specs=(ALL, ALL, P()), mesh=mesh, jit=jit, name="knn.smap")
+            fn = smap(body, in_specs=(ALL, ALL), out_specs=(ALL, ALL, P()), mesh=mesh, jit=jit, name="knn.smap",
+                      compiler_options=particle_compiler_options() if jit else None)
             cache[key] = fn
         result, zpart, checks = fn(part_leaves, query_leaves)
         if not isinstance(checks[0], Tracer):
