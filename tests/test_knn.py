@@ -293,9 +293,7 @@ def test_two_processes() -> None:
     pos, box = distributed_cases(np.random.default_rng(8))[0]
     want = zsort_ids(make_mesh((8,)), pos, box)
     small = jitted(9, None, tuning=SMALL_TUNING)(jnp.asarray(every_phase_points()))
-    # One device's answer for each case, once for both presets the processes ran (in the order they return them).
-    ones = [knn(jnp.asarray(p), 9, box=b, tuning="cpu") for p, b in distributed_cases(np.random.default_rng(8))
-            for _ in ("cpu", "gpu")]
+    ones = [knn(jnp.asarray(p), 9, box=b, tuning="cpu") for p, b in distributed_cases(np.random.default_rng(8))]
     for res in results:
         # Every phase of the local search, on 2 processes: the integers of one device in this process.
         np.testing.assert_array_equal(res[-1], np.asarray(small.indices))
@@ -303,10 +301,10 @@ def test_two_processes() -> None:
         res = res[:-2]
         np.testing.assert_array_equal(res[-1], want)  # zorder=True: rows checked, the same z-order as 8 devices here
         res = res[:-1]
-        assert len(res) == 2 * len(ones)
-        for (mesh_i, mesh_d), one in zip(zip(res[0::2], res[1::2], strict=True), ones, strict=True):
-            np.testing.assert_array_equal(mesh_i, np.asarray(one.indices))
-            np.testing.assert_array_equal(mesh_d, np.asarray(one.distances))
+        assert len(res) == 4 * len(ones)  # per case: indices and distances with the CPU preset, then the GPU one
+        for j, (mesh_i, mesh_d) in enumerate(zip(res[0::2], res[1::2], strict=True)):
+            np.testing.assert_array_equal(mesh_i, np.asarray(ones[j // 2].indices))
+            np.testing.assert_array_equal(mesh_d, np.asarray(ones[j // 2].distances))
     # The same answer on both processes, and the same as in this process on one device.
     np.testing.assert_array_equal(results[0][0], results[1][0])
     np.testing.assert_array_equal(results[0][0], np.asarray(jitted(9, box)(jnp.asarray(pos)).indices))

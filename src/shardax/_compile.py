@@ -122,12 +122,10 @@ def particle_compiler_options(env: Mapping[str, str] | None = None) -> dict[str,
     XLA's per-op emitters instead of its fusion emitters.
 
     Those programs are large (10,000-20,000 instructions, dozens of loops) and XLA:CPU's fusion emitters spend most
-    of their compilation on them; the per-op emitters compile them in a half to two thirds of the time and the
-    programs run as fast (8 CPU devices, 1e6 particles, XLA's default level: FoF 16.2 -> 10.6 s of compilation,
-    kNN 13.2 -> 10.5 s, zsort 4.1 -> 2.2 s; runs 0.60 / 6.35 / 0.117 s against 0.58 / 6.43 / 0.122 s). Smaller
-    kernels (paint, FFTs, linear algebra) keep XLA's defaults: they compile in seconds either way and some run
-    slower with the per-op emitters. The option names only XLA:CPU's compiler, so :func:`shardax.smap` drops it on
-    other backends.
+    of their compilation on them; the per-op emitters compile them in a half to two thirds of the time, and the
+    programs run as fast on several devices (figures: docs/benchmarks.md, "First call"). Smaller kernels (paint,
+    FFTs, linear algebra) keep XLA's defaults: they compile in seconds either way and some run slower with the
+    per-op emitters. The option names only XLA:CPU's compiler, so :func:`shardax.smap` drops it on other backends.
 
     ``SHARDAX_CPU_EMITTERS=fusion`` keeps XLA's fusion emitters (``per-op``, the default, takes the per-op ones), and
     an ``XLA_FLAGS`` that names ``xla_cpu_use_fusion_emitters`` is left to decide.
