@@ -12,6 +12,9 @@ So ``smap(jit=True)`` (and the global FFTs, which jit an ``smap`` of their own) 
 devices)`` of its CPUs (different threads on different CPUs, so the compilation itself still uses them all), and
 then the threads get their CPUs back. The program runs on all of them. ``SHARDAX_CPU_SPLIT`` overrides the rule:
 ``system`` keeps XLA's own split, a positive integer sets the CPUs the compiler sees.
+
+The particle kernels' CPU programs also choose XLA's per-op emitters (:func:`particle_compiler_options`,
+``SHARDAX_CPU_EMITTERS``), which compile them faster and run them as fast.
 """
 
 from __future__ import annotations
