@@ -179,7 +179,15 @@ def _particles(setup: Setup, pos: jax.Array, mom: jax.Array, ids: jax.Array, a: 
         num = jax.make_array_from_callback(counts.shape, rows, lambda index: counts[index])
     else:
         num = jnp.asarray(counts)
-    return Particles(pos=wrap(pos, setup.box), num=num, vel=mom * (_H0 / a).astype(mom.dtype), ids=ids)
+    pos, vel = _contract_units(pos, mom, a, setup.box)
+    return Particles(pos=pos, num=num, vel=vel, ids=ids)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _contract_units(pos: jax.Array, mom: jax.Array, a: jax.Array, box: float) -> tuple[jax.Array, jax.Array]:
+    """Positions wrapped into the box and momenta as peculiar velocities in km/s (one program, not one per
+    operation on the global arrays)."""
+    return wrap(pos, box), mom * (_H0 / a).astype(mom.dtype)
 
 
 @functools.lru_cache(maxsize=32)
@@ -196,7 +204,7 @@ def _lpt_fn(setup: Setup, source_key: Any) -> Callable[..., tuple[jax.Array, ...
             mom = mom + coeffs[3] * s2
         return _rows_out(q + disp), _rows_out(mom), _rows_out(ids)
     return smap(body, in_specs=(setup.spec, _REPLICATED, _REPLICATED), out_specs=(_ROWS, _ROWS, _ROWS),
-                mesh=setup.mesh, expand=False)
+                mesh=setup.mesh, expand=False, jit=True)
 
 
 def _lpt_coeffs(cosmo: Cosmology, a: jax.Array) -> jax.Array:
