@@ -15,11 +15,15 @@ import pytest
 
 import shardax as sx
 
-EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
+# The two slowest launches (FoF's and kNN's programs at 2 x 4, compiled again: 20-40 s each) run with
+# ``pytest -m slow``; tests/test_fof_multiprocess.py and tests/test_knn.py launch the same kernels at that scale.
+_SLOW = {"fof_catalogue", "knn_density"}
+EXAMPLES = [pytest.param(path, marks=pytest.mark.slow) if path.stem in _SLOW else path
+            for path in sorted((Path(__file__).parent.parent / "examples").glob("*.py"))]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: getattr(p, "stem", None))
 def test_example_two_processes(example):
     result = sx.testing.launch_script(str(example), num_processes=2, cpu_devices=4, timeout_s=400)
     assert result.returncode == 0, result.output

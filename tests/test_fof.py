@@ -408,10 +408,10 @@ def _wrapped_clusters(dim: int, seed: int) -> dict:
             "linking_length": 0.012 if dim == 3 else 0.008, "box": 1.0}
 
 
-@pytest.mark.parametrize(("dim", "shapes"), [(2, ((2,), (8,))), (3, ((4,), (2, 4)))])
+@pytest.mark.parametrize(("dim", "shapes"), [(2, ((2,), (8,))), (3, ((2, 4),))])
 def test_pieces_wrapping_the_box(dim: int, shapes: tuple[tuple[int, ...], ...]) -> None:
     """Local grids over pieces that wrap the periodic box on some axes, at several device counts, clustered data
-    (each mesh compiles its own program, so each dimension takes two of them)."""
+    (each mesh compiles its own program: two meshes in 2D, the unequal 2D mesh in 3D)."""
     data = _wrapped_clusters(dim, 20 + dim)
     want = reference_labels(data["pos"], data["linking_length"], data["box"], 5)
     assert (np.bincount(want[want >= 0]) >= 100).sum() >= 3

@@ -277,12 +277,12 @@ def test_zorder_bad_input() -> None:
 def multiprocess_body() -> list[np.ndarray]:
     out = []
     mesh = sx.flat_mesh()
-    for pos, box in distributed_cases(np.random.default_rng(8)):
-        for tuning in ("cpu", "gpu"):  # the GPU preset forced on CPU: the same integers as the CPU preset
-            d, i = run_on_mesh(mesh, pos, box, 9, tuning)
-            out += [i, d]  # checked against one device by the caller
-    pos, box = distributed_cases(np.random.default_rng(8))[0]
-    out.append(check_zorder(mesh, pos, box, fields=False))
+    (uniform, periodic), (clustered, open_box) = distributed_cases(np.random.default_rng(8))
+    # The clustered case again with the GPU preset forced on CPU: the same integers as the CPU preset.
+    for pos, box, tuning in [(uniform, periodic, "cpu"), (clustered, open_box, "cpu"), (clustered, open_box, "gpu")]:
+        d, i = run_on_mesh(mesh, pos, box, 9, tuning)
+        out += [i, d]  # checked against one device by the caller
+    out.append(check_zorder(mesh, uniform, periodic, fields=False))
     out += run_on_mesh(mesh, every_phase_points(), None, 9, SMALL_TUNING)  # checked against one device by the caller
     return out
 
@@ -301,10 +301,11 @@ def test_two_processes() -> None:
         res = res[:-2]
         np.testing.assert_array_equal(res[-1], want)  # zorder=True: rows checked, the same z-order as 8 devices here
         res = res[:-1]
-        assert len(res) == 4 * len(ones)  # per case: indices and distances with the CPU preset, then the GPU one
-        for j, (mesh_i, mesh_d) in enumerate(zip(res[0::2], res[1::2], strict=True)):
-            np.testing.assert_array_equal(mesh_i, np.asarray(ones[j // 2].indices))
-            np.testing.assert_array_equal(mesh_d, np.asarray(ones[j // 2].distances))
+        # Indices and distances per case with the CPU preset, then the clustered case's with the GPU one.
+        assert len(res) == 2 * (len(ones) + 1)
+        for j, (mesh_i, mesh_d) in zip([0, 1, 1], zip(res[0::2], res[1::2], strict=True), strict=True):
+            np.testing.assert_array_equal(mesh_i, np.asarray(ones[j].indices))
+            np.testing.assert_array_equal(mesh_d, np.asarray(ones[j].distances))
     # The same answer on both processes, and the same as in this process on one device.
     np.testing.assert_array_equal(results[0][0], results[1][0])
     np.testing.assert_array_equal(results[0][0], np.asarray(jitted(9, box)(jnp.asarray(pos)).indices))

@@ -64,8 +64,10 @@ def linalg_checks() -> dict:
         statuses[f"potrs-{label}"] = int(_replicated(status, mesh))
         factor = sx.linalg.potrf(ad, tile=5, grid=process_grid)
         errors[f"potrf-{label}"] = _error(factor, np.pad(l_ref, ((0, 3), (0, 3))) + np.diag([0.0] * n + [1.0] * 3))
-        inverse = sx.linalg.potri(ad, tile=5, grid=process_grid)
-        errors[f"potri-{label}"] = _error(inverse, np.pad(inv_ref, ((0, 3), (0, 3))) + np.diag([0.0] * n + [1.0] * 3))
+        if label in ("rows", "grid-2x4"):  # potri shares potrf's layouts (checked above): one flat, one grid
+            inverse = sx.linalg.potri(ad, tile=5, grid=process_grid)
+            errors[f"potri-{label}"] = _error(inverse, np.pad(inv_ref, ((0, 3), (0, 3)))
+                                              + np.diag([0.0] * n + [1.0] * 3))
     bad = a.copy()
     bad[29, 29] = -1.0
     _, status = sx.linalg.potrs(bad, b, tile=4, mesh=grid, return_status=True)
@@ -101,6 +103,7 @@ def test_linalg_two_processes():
     results = sx.testing.run_distributed(linalg_checks, num_processes=2, cpu_devices=4, timeout_s=600)
     assert len(results) == 2
     for result in results:
+        assert {"potri-rows", "potri-grid-2x4", "syevd-w", "jaxmg"} <= set(result["errors"]), sorted(result["errors"])
         for name, error in result["errors"].items():
             assert error < 2e-4, (name, error)
         labels = ("rows", "cols", "2d", "host-cols", "grid-2x4", "grid-4x2")

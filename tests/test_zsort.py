@@ -286,8 +286,10 @@ def test_zsort_matches_numpy(mesh: Mesh) -> None:
     assert len(done) == 10
 
 
-def test_bucket_sort_matches_numpy(mesh: Mesh) -> None:
-    assert len(run_bucket_cases(mesh)) == 10
+@pytest.mark.parametrize("shape", [(1,), (8,), (2, 4)], ids=lambda s: "x".join(map(str, s)))
+def test_bucket_sort_matches_numpy(shape: tuple[int, ...]) -> None:
+    # (The 2-device ring: FoF sorts with it in tests/test_fof.py's meshes.)
+    assert len(run_bucket_cases(make_mesh(shape))) == 10
 
 
 @pytest.mark.parametrize("shape", [(1,), (8,), (2, 2)], ids=str)

@@ -33,6 +33,7 @@ from ._fof_tuning import Tuning, resolve
 # set well below the one of ``fof``'s default (n / 4), at the same speed. A device that needs more grows it (see
 # ``global_fof``).
 _AUTO_HALO_FRACTION = 16
+_AUTO_HALO_MIN = 1024  # (and never fewer rows)
 # Runs of one call while automatic buffers grow (each growth compiles the kernel for the new sizes once).
 _AUTO_ROUNDS = 4
 
@@ -161,7 +162,7 @@ def _start_sizes(requested: Buffers, grown: dict[str, int], n: int) -> Buffers:
     """The buffer sizes of a run of ``fof.smap``: as requested, else as grown by earlier runs, else the default
     (for the ghost rows the automatic start, a fraction of the ``n`` rows per device)."""
     sizes = Buffers(*(given or grown.get(name) for name, given in requested._asdict().items()))
-    return sizes._replace(halo_capacity=sizes.halo_capacity or max(n // _AUTO_HALO_FRACTION, 1024))
+    return sizes._replace(halo_capacity=sizes.halo_capacity or max(n // _AUTO_HALO_FRACTION, _AUTO_HALO_MIN))
 
 
 def _short_buffers(needed: np.ndarray, sizes: Buffers, *, n: int, ndev: int, min_members: int) -> dict[str, int]:
