@@ -155,11 +155,11 @@ def test_pm_forces_match_numpy(shape: tuple[int, ...]) -> None:
 
 
 def test_simulate_same_at_every_scale() -> None:
-    """1 device, 8 devices (slabs), (2, 4) pencils in one process and 2 processes x 4 devices: positions to float32
-    round-off, ids identical; snapshots and step boundaries as asked. The 2 x 4 launch also differentiates a float64
-    run (reverse adjoint): the one-device loss and gradients."""
+    """1 device, 8 devices (slabs) in one process and 2 processes x 4 devices (slabs over 8 devices, pencils over
+    the (2, 4) grid): positions to float32 round-off, ids identical; snapshots and step boundaries as asked. The
+    2 x 4 launch also differentiates a float64 run (reverse adjoint): the one-device loss and gradients."""
     body = _body_module()
-    runs = {shape: body.run(make_mesh(shape)) for shape in [(1,), (8,), (2, 4)]}
+    runs = {shape: body.run(make_mesh(shape)) for shape in [(1,), (8,)]}
     distributed = sx.testing.run_distributed(body.distributed_body, num_processes=2, cpu_devices=4)[0]
     # The float64 loss and gradients (reverse adjoint) at 2 processes x 4 devices: the one-device values.
     one_value, one_noise, one_cosmo, _ = _snapshot_gradients((1,), "reverse")
