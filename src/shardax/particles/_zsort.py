@@ -23,9 +23,10 @@ from jax.sharding import PartitionSpec as P
 from .. import _zorder
 from .._bounds import check_bounds, check_part, mapped_bounds
 from .._compile import particle_compiler_options
+from .._eager import is_concrete, run_compiled
 from .._errors import CapacityError
 from .._morton import Box, check_periodic_box
-from .._pytree import check_count
+from .._pytree import check_count, check_positions
 from .._tuning import tuning_backend
 from ..core import ALL, attach_global, smap
 from ._domain import Domain, domain_of
@@ -77,8 +78,18 @@ def zsort(part: T, *, box: Box | None = None, equalize: bool = True, capacity: i
         >>> zpart, overflow = zsort.smap()(sx.particles.uniform.smap()(1000))   # global: (ndev, cap, 3)
     """
     check_part(part, box, "zsort")
+    options = (box, equalize, capacity, num_cells if return_domain else None)
+    if is_concrete(part):  # called outside any trace: one program, not one dispatch per operation
+        check_positions(part, "zsort")  # (the count is checked on its concrete value, as the program cannot)
+        return run_compiled(_sorted, part, options)
+    return _sorted(part, options)
+
+
+def _sorted(part: Any, options: tuple[Box | None, bool, int | None, int | None]) -> Any:
+    """The outputs of :func:`zsort` (``num_cells`` None: without the domain), after its checks."""
+    box, equalize, capacity, num_cells = options
     result = _zorder.sort_particles(part, box=box, equalize=equalize, capacity=capacity)
-    if return_domain:
+    if num_cells is not None:
         return result.part, result.overflow, domain_of(result.part, result.key_box, num_cells)
     return result.part, result.overflow
 

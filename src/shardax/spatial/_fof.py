@@ -26,6 +26,7 @@ import numpy as np
 from jax.core import Tracer
 
 from .._bounds import check_local
+from .._eager import is_concrete, run_compiled
 from .._exchange import share_chunk
 from .._morton import as_vector, given_box_values
 from .._pytree import check_positions, particle_set
@@ -256,8 +257,19 @@ def _fof(part: Any, linking_length: float | jax.Array, *, box: Any, min_members:
                                tuning=tuning)
     rank, size, _ = rank_info()
     if size == 1:
+        arrays = (problem.rows, problem.linking_length, problem.box)
+        if is_concrete(arrays):  # called outside any trace: one program, not one dispatch per operation
+            options = problem._replace(rows=None, linking_length=None, box=None, box_arg=None)
+            return run_compiled(_one_device_of, arrays, options)
         return _one_device(problem)
     return _several_devices(problem, rank=rank, size=size)
+
+
+def _one_device_of(arrays: tuple[_Rows, jax.Array, jax.Array | None], options: _Problem) -> tuple[FofResult, Steps]:
+    """:func:`_one_device` of the problem made of ``arrays`` (rows, linking length, box) and the static
+    ``options`` (the one-device path does not use ``box_arg``)."""
+    rows, linking_length, box = arrays
+    return _one_device(options._replace(rows=rows, linking_length=linking_length, box=box))
 
 
 # ---- steps both paths share ----------------------------------------------------------------------------------------
