@@ -296,3 +296,26 @@ def test_doctor_reports_failures() -> None:
     assert rows["alltoall"].endswith("PASS")
     assert "alltoallv: RuntimeError: alltoallv is broken" in lines
     assert "doctor: FAILED: allreduce, alltoallv" in lines
+
+
+def test_coordinator_port_is_free_on_every_address_and_outside_the_ephemeral_range() -> None:
+    """The launch's coordinator port: free on the wildcard address JAX's coordinator binds (a port a listener holds
+    on ``[::]`` or ``0.0.0.0`` is refused), and below the range the OS hands out for outgoing connections and
+    ``bind(0)``, where concurrent launches and gloo's sockets took it before the coordinator bound it."""
+    import socket
+
+    from shardax.runtime._launch import _bindable, _ephemeral_ports, free_port
+
+    low, _ = _ephemeral_ports()
+    ports = {free_port() for _ in range(20)}
+    assert all(max(1024, low - 16384) <= p < low for p in ports), sorted(ports)
+    assert len(ports) > 10  # picked at random, not one port again and again
+    family, address = (socket.AF_INET6, "::") if socket.has_ipv6 else (socket.AF_INET, "0.0.0.0")
+    with socket.socket(family, socket.SOCK_STREAM) as held:
+        if family == socket.AF_INET6:
+            held.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        held.bind((address, 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert not _bindable("127.0.0.1", port)
+    assert _bindable("127.0.0.1", port)

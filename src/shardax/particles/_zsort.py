@@ -16,6 +16,7 @@ from typing import Any, Literal, TypeVar, overload
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.core import Tracer
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -79,7 +80,8 @@ def zsort(part: T, *, box: Box | None = None, equalize: bool = True, capacity: i
     """
     check_part(part, box, "zsort")
     options = (box, equalize, capacity, num_cells if return_domain else None)
-    if is_concrete(part):  # called outside any trace: one program, not one dispatch per operation
+    # Called outside any trace on arrays: one program, not one dispatch per operation.
+    if isinstance(getattr(part, "pos", None), jax.Array | np.ndarray) and is_concrete(part):
         check_positions(part, "zsort")  # (the count is checked on its concrete value, as the program cannot)
         return run_compiled(_sorted, part, options)
     return _sorted(part, options)

@@ -7,7 +7,9 @@ of :mod:`._env`, plus glibc's allocator set up for XLA:CPU), the process specs o
 
 from __future__ import annotations
 
+import errno
 import os
+import random
 import socket
 import sys
 from collections.abc import Mapping, Sequence
@@ -18,10 +20,51 @@ from ._procs import JobResult, ProcessSpec, Sink, run_processes
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (the OS picks it: bind to port 0)."""
+    """A TCP port that is free right now on ``host`` and on every address (JAX's coordinator listens on all of
+    them, ``[::]``), picked at random below the kernel's ephemeral port range.
+
+    A port the OS hands out for ``bind(0)`` comes from the ephemeral range, where every outgoing connection (gloo
+    opens dozens per run) and every other launch's pick also come from: on a busy machine another process took it
+    before the coordinator bound it ("Failed to start RPC server"). Below that range only programs that ask for a
+    port by number compete, and the pick is checked on the wildcard address. Falls back to ``bind(0)`` if no port
+    there is free."""
+    low = _ephemeral_ports()[0]
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(max(1024, low - 16384), low)
+        if _bindable(host, port):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ports for ``bind(0)`` and outgoing connections (Linux; IANA's 49152-65535 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def _bindable(host: str, port: int) -> bool:
+    """Whether ``port`` can be bound on ``host`` and on the wildcard address (IPv6 dual-stack where there is one)."""
+    candidates: list[tuple[socket.AddressFamily, str]] = [(socket.AF_INET, host), (socket.AF_INET, "0.0.0.0")]
+    if socket.has_ipv6:
+        candidates.append((socket.AF_INET6, "::"))
+    for family, address in candidates:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                if family == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                s.bind((address, port))
+        except OSError as err:
+            if family == socket.AF_INET6 and err.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+                continue  # no IPv6 on this machine: the IPv4 checks decide
+            return False
+    return True
 
 
 def _check_count(name: str, value: object, *, optional: bool = False) -> None:
