@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+from collections.abc import Iterator
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The tests check results on small inputs and spend most of their time compiling. Two XLA:CPU options cut that,
@@ -34,6 +36,23 @@ from jax.sharding import Mesh  # noqa: E402
 # mesh with unequal axes (which catches a swapped axis a square mesh would hide). 4-device and 2x2 meshes found
 # nothing these four do not, and cost a third of the suite's compile time.
 MESH_SHAPES = [(1,), (2,), (8,), (2, 4)]
+
+
+@contextlib.contextmanager
+def compilations() -> Iterator[list[str]]:
+    """While inside, every program XLA compiles in this process (JAX's backend-compile events) is appended to the
+    yielded list (clear it between the calls you count)."""
+    events: list[str] = []
+
+    def listen(event: str, _seconds: float, **_: object) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def make_mesh(shape: tuple[int, ...]) -> Mesh:

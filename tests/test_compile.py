@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
+from conftest import compilations
 from shardax import _compile
 from shardax._compile import limited_cpus, split_cpus
 
@@ -199,27 +200,18 @@ def test_local_views_called_eagerly_run_as_one_program() -> None:
     """``fof`` and ``zsort`` called outside any trace run as one compiled program (after their checks on the
     concrete arguments), not one dispatch per operation: eagerly, FoF compiled 172 small programs on its first
     call and ran 33x slower than ``jax.jit(fof)`` on every call. Their results are the jitted local view's."""
-    compiles = []
-
-    def listen(event: str, _seconds: float, **_: object) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
     pos = jnp.asarray(np.random.default_rng(3).random((2000, 3), dtype=np.float32))
     part = sx.particles.Particles(pos=pos, num=jnp.int32(1990))
     calls = {"fof": (lambda: sx.spatial.fof(part, 0.05, box=1.0, min_members=2),
                      jax.jit(lambda p: sx.spatial.fof(p, 0.05, box=1.0, min_members=2))),
              "zsort": (lambda: sx.particles.zsort(part, box=1.0, return_domain=True),
                        jax.jit(lambda p: sx.particles.zsort(p, box=1.0, return_domain=True)))}
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with compilations() as compiles:
         for name, (eager, _) in calls.items():
             for attempt, most in (("first", 25), ("second", 0)):
                 compiles.clear()
                 jax.block_until_ready(eager())
                 assert len(compiles) <= most, f"{name}, {attempt} call: {len(compiles)} programs compiled"
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     for name, (eager, jitted) in calls.items():
         for got, want in zip(jax.tree.leaves(eager()), jax.tree.leaves(jitted(part)), strict=True):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import shardax as sx
-from conftest import make_mesh
+from conftest import compilations, make_mesh
 from shardax.nbody._cosmology import _jax_cosmo_context, _jc
 
 jax_cosmo = pytest.importorskip("jax_cosmo")
@@ -310,12 +310,6 @@ def test_global_functions_run_as_compiled_programs() -> None:
     """Each global function runs its mapped body as one compiled program: a first call compiles a handful of
     programs (the body, growth and power tables), a second compiles none. (``lpt`` once ran its body eagerly, one
     small program per operation: 650 compilations, 22 s per call on 8 devices at 16^3.)"""
-    compiles = []
-
-    def listen(event: str, _seconds: float, **_: object) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
     mesh, cosmo, box = make_mesh((8,)), sx.nbody.Cosmology(), 100.0
     made: dict[str, jax.Array | sx.particles.Particles] = {}
 
@@ -331,12 +325,9 @@ def test_global_functions_run_as_compiled_programs() -> None:
              "linear_field": lambda: sx.nbody.linear_field(made["noise"], box=box, cosmo=cosmo),
              "pm_forces": lambda: sx.nbody.pm_forces(made["part"], box=box, mesh_per_side=8),
              "density": lambda: sx.nbody.density(made["part"], box=box, mesh_per_side=8)}
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with compilations() as compiles:
         for name, call in calls.items():
             for attempt, most in (("first", 8), ("second", 0)):
                 compiles.clear()
                 jax.block_until_ready(call())
                 assert len(compiles) <= most, f"{name}, {attempt} call: {len(compiles)} programs compiled"
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
