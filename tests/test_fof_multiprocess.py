@@ -140,7 +140,9 @@ def _distributed_body(out_dir: str) -> dict:
         part = sx.particles.from_numpy(data["pos"][rows], **fields)
         # The mixed data start from a ghost buffer of 16 rows (unset halo_capacity): it must grow, to the same
         # size on both processes.
-        fof_module._AUTO_HALO_MIN, start = (16 if name == "mixed" else 1024), fof_module._AUTO_HALO_MIN
+        start = fof_module._AUTO_HALO_MIN
+        if name == "mixed":
+            fof_module._AUTO_HALO_MIN = 16
         try:
             res = fof.smap()(part, data["linking_length"], box=data["box"], min_members=MIN_MEMBERS)
         finally:

@@ -28,7 +28,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     before the coordinator bound it ("Failed to start RPC server"). Below that range only programs that ask for a
     port by number compete, and the pick is checked on the wildcard address. Falls back to ``bind(0)`` if no port
     there is free."""
-    low = _ephemeral_ports()[0]
+    low = _ephemeral_low()
     rng = random.SystemRandom()
     for _ in range(64):
         port = rng.randrange(max(1024, low - 16384), low)
@@ -39,14 +39,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _ephemeral_ports() -> tuple[int, int]:
-    """The kernel's range of ports for ``bind(0)`` and outgoing connections (Linux; IANA's 49152-65535 elsewhere)."""
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for ``bind(0)`` and outgoing connections (Linux; IANA's 49152
+    elsewhere)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(v) for v in f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 49152, 65535
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 def _bindable(host: str, port: int) -> bool:
