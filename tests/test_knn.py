@@ -401,27 +401,54 @@ def test_threshold_selection_is_top_k() -> None:
     assert np.all(x[0][np.asarray(pick)[0]] == 0.25)
 
 
-def test_gpu_tuning_few_tied_queries() -> None:
-    """A few queries tied at their k-th neighbour reach the brute force, which takes its small chunk (one tile);
-    their ties are reordered among the few rows that hold one; compacted passes of few blocks take one small step.
-    Results equal the exact reference and the CPU preset's."""
+@pytest.mark.parametrize("preset", ["cpu", "gpu"])
+def test_tied_queries_certified_without_brute_force(preset: str) -> None:
+    """Queries tied at their k-th neighbour are answered by the compacted passes, which break the tie by index
+    themselves: no brute force runs. Their ties are reordered among the few rows that hold one; compacted passes
+    of few blocks take one small step. Results equal the exact reference and the other preset's."""
     rng = np.random.default_rng(22)
     pos = rng.random((3000, 3)).astype(np.float32)
     pos[[5, 700, 1400, 2999]] = pos[5]  # four copies: distance 0 to each other, the 3rd and 4th neighbour tied
     n, k = len(pos), 3
     ok, ids = jnp.ones(n, bool), jnp.arange(n, dtype=jnp.int32)
     ref_d, ref_i = exact_ref(pos.astype(np.float64), k, 1.0)
-    cpu = knn(jnp.asarray(pos), k, box=1.0, tuning="cpu")
-    # Tiles of 1000 rows: a whole chunk (256 queries) would scan 3 tiles, the small chunk of 8 scans one. Compacted
-    # passes of 256 blocks a step, or of 4 when no more are left.
-    tuning = KnnTuning(preset="gpu", brute_tile=1000, later_batch=256)
+    other = knn(jnp.asarray(pos), k, box=1.0, tuning="gpu" if preset == "cpu" else "cpu")
+    # Compacted passes of 256 blocks a step, or of 4 when no more are left.
+    tuning = KnnTuning(preset=preset, later_batch=256)
     dist2, rows, steps = local_knn_steps(jnp.asarray(pos), ok, jnp.asarray(pos), ok, ids, k=k,
                                          box=jnp.ones(3, jnp.float32), tuning=tuning)
-    assert int(steps.brute) == 2, steps  # one chunk, one tile
+    assert int(steps.brute) == 0 and int(steps.later) >= 1, steps
     np.testing.assert_array_equal(np.asarray(rows), ref_i)
-    np.testing.assert_array_equal(np.asarray(rows), np.asarray(cpu.indices))
-    np.testing.assert_array_equal(np.sqrt(np.asarray(dist2)), np.asarray(cpu.distances))
+    np.testing.assert_array_equal(np.asarray(rows)[[5, 700, 1400, 2999]], [[5, 700, 1400]] * 4)
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(other.indices))
+    np.testing.assert_array_equal(np.sqrt(np.asarray(dist2)), np.asarray(other.distances))
     np.testing.assert_allclose(np.sqrt(np.asarray(dist2)), ref_d, rtol=1e-6, atol=1e-7)
+
+
+def test_gpu_tuning_brute_force_small_chunk() -> None:
+    """Eight queries on a point with more copies than any pass has candidate slots are answered by the brute
+    force, which takes its small chunk (one tile of the data) instead of a whole chunk of 256 queries."""
+    rng = np.random.default_rng(22)
+    data = rng.random((5000, 3)).astype(np.float32)
+    data[3000:] = 0.8  # 2000 copies of one point: no grid can split them, every candidate run overflows
+    query = (0.6 * rng.random((1000, 3))).astype(np.float32)  # far from it, but for:
+    on_copies = [3, 200, 400, 600, 800, 900, 950, 999]
+    query[on_copies] = 0.8
+    n, m, k = len(data), len(query), 3
+    # Tiles of 1000 rows: a whole chunk would scan 5 tiles, the small chunk of 8 scans one.
+    tuning = KnnTuning(preset="gpu", brute_tile=1000, later_batch=256)
+    dist2, rows, steps = local_knn_steps(jnp.asarray(data), jnp.ones(n, bool), jnp.asarray(query), jnp.ones(m, bool),
+                                         jnp.arange(n, dtype=jnp.int32), k=k, box=jnp.ones(3, jnp.float32),
+                                         tuning=tuning)
+    assert int(steps.brute) == 2, steps  # one chunk, one tile
+    dx = query[:, None, :].astype(np.float64) - data[None, :, :]
+    d2 = np.sum((dx - np.round(dx)) ** 2, axis=-1)
+    ref_i = np.lexsort((np.broadcast_to(np.arange(n), d2.shape), d2), axis=-1)[:, :k]
+    np.testing.assert_array_equal(np.asarray(rows), ref_i)
+    np.testing.assert_array_equal(np.asarray(rows)[on_copies], [[3000, 3001, 3002]] * 8)
+    np.testing.assert_allclose(np.asarray(dist2), np.take_along_axis(d2, ref_i, axis=1), rtol=1e-5, atol=1e-12)
+    cpu = knn(jnp.asarray(data), k, box=1.0, query=jnp.asarray(query), tuning="cpu")
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(cpu.indices))
 
 
 def test_gpu_tuning_on_eight_devices() -> None:
@@ -469,10 +496,11 @@ def test_tuning_argument() -> None:
 
 
 # A tuning small enough that 600 points go through every phase of the local search: candidate runs of 160 slots
-# overflow in the clump (adaptive full passes on refined grids, at most 2), compacted passes take 37 queries each,
-# and what no grid certifies (13 exact copies of one point: the k-th and (k+1)-th distances are tied) is answered
-# by brute force in chunks of 8 queries against tiles of 64 rows (600 rows: 10 tiles, the last one ragged).
-SMALL_TUNING = KnnTuning(capacity=160, later_queries=16, max_passes=2, brute_queries=8, brute_tile=64)
+# overflow in the clump (one adaptive full pass on a refined grid), three compacted passes take 37 queries each
+# (13 exact copies of one point among them: their k-th and (k+1)-th distances are tied, which a compacted pass
+# breaks by index), and what they leave is answered by brute force in chunks of 8 queries against tiles of 64 rows
+# (600 rows: 10 tiles, the last one ragged).
+SMALL_TUNING = KnnTuning(capacity=160, later_queries=8, max_passes=1, brute_queries=8, brute_tile=64)
 
 
 def every_phase_points() -> np.ndarray:

@@ -3,8 +3,9 @@
 The first pass uses a grid of a few points per cell and small candidate tiles, sized for near-uniform data; it
 certifies almost every query. Later passes take only the remaining queries, on grids refined where candidate runs
 overflowed (dense regions) or coarsened where the k-th neighbour lay beyond the searched cells (sparse regions), with
-larger tiles. Whatever is still uncertified (e.g. many exactly tied distances) is answered by brute force against
-all data, in index order, so ties always go to the smaller index.
+larger tiles; the compacted ones also certify queries tied at their k-th neighbour, breaking the tie by index.
+Whatever is still uncertified (e.g. more exact copies of a point than a pass has candidate slots) is answered by
+brute force against all data, in index order, so ties always go to the smaller index.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class _Problem(NamedTuple):
     count: jax.Array  # valid data rows
     grid0: Grid  # the first grid (level 0)
     data0: SortedData  # the data sorted on it
+    order: jax.Array  # (n,) tie-break rank of each data row
     k: int
     size: Sizes
     subset: int  # queries per compacted pass
@@ -135,7 +137,7 @@ def _search(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array, query_v
     compacted level sweep, brute force for the rest, and ties ordered by ``order``."""
     m = query_pos.shape[0]
     size = sizes(resolve(tuning, "local_knn"), pos.shape[1], k, m, pos.shape[0])
-    problem = _prepare(pos, data_valid, query_pos, k=k, box=box, size=size)
+    problem = _prepare(pos, data_valid, query_pos, order, k=k, box=box, size=size)
     first = grid_pass(problem.data0, problem.query_pos, query_valid, domain=problem.domain, grid=problem.grid0,
                       reach=1, k=k, tiles=size.full)
     adapted = _adaptive_passes(problem, first, query_valid)
@@ -151,8 +153,8 @@ def _domain(pos: jax.Array, data_valid: jax.Array, box: jax.Array | None) -> Dom
     return open_domain(pos, data_valid) if box is None else periodic_domain(box.astype(pos.dtype))
 
 
-def _prepare(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array, *, k: int, box: jax.Array | None,
-             size: Sizes) -> _Problem:
+def _prepare(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array, order: jax.Array, *, k: int,
+             box: jax.Array | None, size: Sizes) -> _Problem:
     """The domain, the wrapped positions and the data sorted on the first grid."""
     domain = _domain(pos, data_valid, box)
     pos = wrap(pos, domain)
@@ -161,7 +163,7 @@ def _prepare(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array, *, k: 
     grid0 = make_grid(domain, count, size.per_cell, jnp.int32(0))
     data0 = sort_data(pos, data_valid, domain, grid0)
     m = query_pos.shape[0]
-    return _Problem(pos, data_valid, query_pos, domain, count, grid0, data0, k=k, size=size,
+    return _Problem(pos, data_valid, query_pos, domain, count, grid0, data0, order, k=k, size=size,
                     subset=min(m, max(size.later_queries, m // 16)))
 
 
@@ -223,7 +225,7 @@ def _sweep(problem: _Problem, state: _SweepState) -> _SweepState:
     picked = positions_of(state.active & ~state.tried, problem.subset, m)
     sub = jnp.minimum(picked, m - 1)
     res = grid_pass(data, problem.query_pos[sub], picked < m, domain=problem.domain, grid=grid, reach=2,
-                    k=problem.k, tiles=problem.size.compacted)
+                    k=problem.k, tiles=problem.size.compacted, order=problem.order)
     done = jnp.where((picked < m) & res.certified, picked, m)
     active = state.active.at[done].set(False, mode="drop")
     tried = state.tried.at[picked].set(True, mode="drop")
@@ -267,8 +269,8 @@ class _DataTiles(NamedTuple):
     rows: jax.Array
 
 
-# Queries of the brute force's small chunk: when no more are left (the usual case: a few queries with exactly tied
-# distances), the brute force scans the data for that many queries instead of a whole chunk, in larger tiles.
+# Queries of the brute force's small chunk: when no more are left (e.g. a few queries on a point with many exact
+# copies), the brute force scans the data for that many queries instead of a whole chunk, in larger tiles.
 _BRUTE_FEW = 8
 
 

@@ -8,7 +8,9 @@ block its ``k + 1`` nearest candidates.
 
 A query's answer is certified exact when no candidate run was cut off by ``capacity``, its k-th distance is below
 the distance to the outside of the searched cells, and its k-th and (k+1)-th distances differ (so the tie-break by
-index cannot depend on which candidates were searched). Uncertified queries are left for a later pass.
+index cannot depend on which candidates were searched). A pass given the tie-break ``order`` also certifies a
+query whose k-th distance is tied: every point at that distance lies within the searched cells, so the pass takes
+the tied candidates of smallest ``order`` itself. Uncertified queries are left for a later pass.
 """
 
 from __future__ import annotations
@@ -118,6 +120,32 @@ def smallest(d2: jax.Array, kk: int, *, select: str, width: int, exact: jax.Arra
     return best.reshape(*lead, kk), pick.reshape(*lead, kk)
 
 
+def _boundary_ties(d2: jax.Array, cand_order: jax.Array, best: jax.Array, pick: jax.Array, k: int,
+                   exact: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The ``k`` nearest of each query `(B, Q, k)` with ties at the k-th distance broken by rank: from
+    :func:`smallest`'s ``k + 1`` nearest ``best, pick`` of ``d2 (B, Q, C)``, the entries below the k-th distance
+    ``v``, then the entries equal to ``v`` of smallest ``cand_order`` `(B, C)` (the rank of each candidate).
+
+    ``smallest`` keeps equal values in position order, which is not rank order. Only a step where an ``exact`` row
+    has its k-th and (k+1)-th distances equal pays for the second selection, over the rows' entries equal to ``v``.
+    """
+    v = best[..., k - 1]
+    tied = exact & (v == best[..., k])
+
+    def by_rank(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        best, pick = args
+        below = jnp.sum(best[..., :k] < v[..., None], axis=-1, dtype=jnp.int32)
+        key = jnp.where(d2 == v[..., None], cand_order[:, None, :], jnp.iinfo(jnp.int32).max)
+        _, at_v = lax.top_k(-key, k)  # equal to v, smallest rank first (ranks are >= 0: no overflow)
+        j = jnp.arange(k, dtype=jnp.int32)[None, None, :]
+        first = j < below[..., None]
+        pick = jnp.where(first, pick[..., :k], jnp.take_along_axis(at_v, jnp.maximum(j - below[..., None], 0),
+                                                                   axis=-1))
+        return jnp.where(first, best[..., :k], v[..., None]), pick
+
+    return lax.cond(jnp.any(tied), by_rank, lambda args: (args[0][..., :k], args[1][..., :k]), (best, pick))
+
+
 def _top_k(d2: jax.Array, kk: int) -> tuple[jax.Array, jax.Array]:
     """The ``kk`` smallest values along the last axis, ascending, and their positions (``lax.top_k`` of ``-d2``)."""
     neg, pick = lax.top_k(-d2, kk)
@@ -204,7 +232,8 @@ def sort_data(data_pos: jax.Array, data_valid: jax.Array, domain: Domain, grid: 
 
 
 def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, *, domain: Domain, grid: Grid,
-              reach: int, k: int, tiles: Tiles, into: tuple[jax.Array, jax.Array] | None = None) -> PassResult:
+              reach: int, k: int, tiles: Tiles, into: tuple[jax.Array, jax.Array] | None = None,
+              order: jax.Array | None = None) -> PassResult:
     """Answer the ``active`` queries whose result this grid certifies (see the module docstring).
 
     Args:
@@ -220,6 +249,9 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, *, doma
         into: `(m, k)` squared distances and rows to write the certified results into (the other rows keep their
             values; one set of result buffers for all passes); None: fresh ones, with every active query's
             candidates, certified or not.
+        order: `(n,)` int32 tie-break rank of each data row (by original row): with it, a query whose k-th distance
+            is tied with the (k+1)-th is certified too, taking the tied candidates of smallest rank (the answer a
+            search over all data in ``order`` gives); None: such a query is left uncertified.
 
     Returns:
         ``PassResult`` for every query (meaningful where ``certified``); ``rows`` are data row numbers.
@@ -280,20 +312,28 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, *, doma
         # Only rows that can be certified need the exact selection (the others keep real candidates).
         exact = qvalid & ~truncated[:, None]
         best, pick = smallest(d2, kk, select=tiles.select, width=tiles.select_width, exact=exact)
-        rows = jnp.take_along_axis(drow, pick.reshape(batch, block * kk), axis=1).reshape(pick.shape)
+        kth = best[..., k - 1]
+        if order is None:
+            distinct = kth < best[..., k]
+            best, pick = best[..., :k], pick[..., :k]
+        else:
+            best, pick = _boundary_ties(d2, order[dperm[drow]], best, pick, k, exact)
+            distinct = jnp.ones_like(exact)
+        rows = jnp.take_along_axis(drow, pick.reshape(batch, block * k), axis=1).reshape(pick.shape)
 
         margin = axis_margin(qp[..., 0], (x0 - reach)[:, None], (x1 + reach)[:, None], 0, domain, grid)
         for axis in range(1, dim):
             c = first[:, axis, None]
             margin = jnp.minimum(margin, axis_margin(qp[..., axis], c - reach, c + reach, axis, domain, grid))
-        kth = best[..., k - 1]
-        ok = (qvalid & ~truncated[:, None] & (kth < best[..., k]) & (margin > 0) & (kth <= margin * margin))
+        # With ties resolved here every point at the k-th distance must lie inside: the margin is strict.
+        within = (kth <= margin * margin) if order is None else (kth < margin * margin)
+        ok = qvalid & ~truncated[:, None] & distinct & (margin > 0) & within
 
         # Written straight to the input order: no sorted-order copy of the results.
         target = jnp.where(qvalid, qperm[qi], m)
         answer = target if into is None else jnp.where(ok, target, m)
-        return _Answers(dist2=out.dist2.at[answer].set(best[..., :k], mode="drop"),
-                        rows=out.rows.at[answer].set(dperm[rows[..., :k]], mode="drop"),
+        return _Answers(dist2=out.dist2.at[answer].set(best, mode="drop"),
+                        rows=out.rows.at[answer].set(dperm[rows], mode="drop"),
                         certified=out.certified.at[target].set(ok, mode="drop"),
                         truncated=out.truncated.at[target].set(jnp.broadcast_to(truncated[:, None], qvalid.shape),
                                                                mode="drop"))
