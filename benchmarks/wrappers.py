@@ -9,6 +9,9 @@ in the same process on the same device, timed round-robin (``--repeat`` calls af
 waited for); the table gives the fastest call of each and their ratio (target: at most 1.1), and the ratio of the
 medians.
 
+``--profile FILE`` also runs each global function under ``cProfile`` and writes where its host time goes: on a
+GPU the device's work of a global function and of its local view is the same, and what differs is on the host.
+
 The ``overhead`` rows time the wrapper alone: ``sx.smap``, an ``sx.distributed`` function's ``.smap`` and
 ``conservation.smap`` on a few rows, each timing ``--calls`` calls in a loop, against ``jax.jit`` of the same local
 function; their last column is the wrapper's added cost per call in microseconds.
@@ -34,6 +37,9 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=7, help="timed calls of each (default 7)")
     parser.add_argument("--calls", type=int, default=200, help="calls per timing of the overhead rows (default 200)")
     parser.add_argument("--only", default="", help="comma-separated kernels to run (default: all)")
+    parser.add_argument("--profile", default=None, metavar="FILE",
+                        help="also run each global function --calls times under cProfile and write where the host "
+                             "time goes (top functions by own and by cumulative time) to FILE")
     return parser.parse_args()
 
 
@@ -175,11 +181,38 @@ def _overhead_cases(mesh: Any, calls: int) -> dict[str, tuple[Callable[[], Any],
     }
 
 
+def _profile(pairs: dict[str, tuple[Callable[[], Any], Callable[[], Any]]], calls: int, path: str) -> None:
+    """Write cProfile's view of ``calls`` waited-for calls of each global function to ``path``."""
+    import cProfile
+    import io
+    import pstats
+
+    import jax
+
+    with open(path, "w") as out:
+        for name, (glob, _) in pairs.items():
+            if name in _OVERHEAD:
+                continue
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(calls):
+                jax.block_until_ready(glob())
+            profile.disable()
+            text = io.StringIO()
+            stats = pstats.Stats(profile, stream=text)
+            for key in ("tottime", "cumulative"):
+                stats.sort_stats(key).print_stats(25)
+            out.write(f"## {name}: {calls} calls\n{text.getvalue()}\n")
+
+
 def main() -> None:
     args = _parse()
     import jax
 
-    times = _interleaved(_cases(args), args.repeat)
+    cases = _cases(args)
+    times = _interleaved(cases, args.repeat)
+    if args.profile:
+        _profile(cases, args.calls, args.profile)
     device = jax.devices()[0]
     print(f"{device.device_kind} ({jax.default_backend()}), JAX {jax.__version__}: {args.particles} particles, "
           f"{args.grid}^3 grid, potrs N={args.linalg} float32; {args.repeat} calls each")

@@ -1,5 +1,6 @@
 """Internal GPU-shaped building blocks against the JAX / NumPy operations they replace: the first true positions of
-a mask (kNN's and FoF's compactions) and the folded per-axis min/max of the bounds checks."""
+a mask (kNN's and FoF's compactions), the folded per-axis min/max of the bounds checks, and the error flags that
+travel to the host as one vector."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from shardax import _flags
 from shardax._bounds import _per_axis
 from shardax._nonzero import true_positions
 
@@ -39,3 +41,25 @@ def test_folded_min_max_equal_numpy(rows: int) -> None:
     np.testing.assert_array_equal(_per_axis(jnp.asarray(x), jnp.max), x.max(axis=0))
     stacked = np.stack([x, x + 1])  # (devices, rows, d): every row of every device
     np.testing.assert_array_equal(_per_axis(jnp.asarray(stacked), jnp.max), stacked.reshape(-1, 3).max(axis=0))
+
+
+def test_flags_travel_as_one_vector_bit_for_bit() -> None:
+    """Counts, bools and floats of every width come back unchanged from one int32 vector (float64 as two words)."""
+    big = np.array([np.inf, -np.inf, 1e300, -3.25, 1e-300, np.nan])
+    with jax.enable_x64(True):
+        words = jax.jit(lambda: _flags.pack(jnp.int32(2**31 - 1), True, jnp.array([1.5, -2.0], jnp.float32),
+                                            jnp.asarray(big), jnp.array([[3, 4], [5, -6]]),
+                                            jnp.array([0.5], jnp.bfloat16)))()
+        assert words.dtype == jnp.int32 and words.shape == (1 + 1 + 2 + 12 + 4 + 1,)
+        count, flag, f32, f64, ints, half = _flags.unpack(words, 1, 1, (2, np.float32), (6, np.float64), 4,
+                                                          (1, jnp.bfloat16))
+    assert count.tolist() == [2**31 - 1] and flag.tolist() == [1] and ints.tolist() == [3, 4, 5, -6]
+    assert f32.dtype == np.float32 and f32.tolist() == [1.5, -2.0]
+    assert f64.dtype == np.float64
+    np.testing.assert_array_equal(f64, big)
+    assert half.tolist() == [0.5]
+    with pytest.raises(ValueError, match="words for flags"):
+        _flags.unpack(words, 1, 1)
+    seen: list[bool] = []
+    jax.jit(lambda x: seen.append(_flags.is_traced(_flags.pack(x))) or x)(jnp.int32(1))
+    assert seen == [True] and not _flags.is_traced(words)

@@ -14,7 +14,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .. import comm
+from .. import _flags, comm
 from .._alltoallv import alltoallv_many, exchange_counts_and_max
 from .._bounds import check_bounds, check_part, mapped_checks
 from .._errors import CapacityError
@@ -384,26 +384,26 @@ def _particle_mesh(part: Any, mesh: Mesh | None) -> Mesh:
     return default_mesh(mesh)
 
 
-def _checks(local: Particles, needed: jax.Array) -> tuple[jax.Array, ...]:
-    """The kernel's replicated error flags: particles a device had to receive, non-finite rows, the positions'
-    span (:func:`_raise_errors` reads them after the call)."""
-    return (needed, *mapped_checks(local.pos, local.num))
+def _checks(local: Particles, needed: jax.Array) -> jax.Array:
+    """The kernel's replicated error flags, packed: particles a device had to receive, non-finite rows, the
+    positions' span (:func:`_raise_errors` reads them after the call)."""
+    return _flags.pack(needed, *mapped_checks(local.pos, local.num))
 
 
-def _raise_errors(name: str, checks: tuple[jax.Array, ...], box: Any, capacity: int) -> None:
+def _raise_errors(name: str, checks: jax.Array, dtype: Any, box: Any, capacity: int) -> None:
     """The errors of a call of ``name`` from its :func:`_checks` (one transfer); the box first, as a box that does
     not fit the data makes the other counts meaningless."""
-    needed, nonfinite, lower, upper = jax.device_get(checks)
+    needed, nonfinite, lower, upper = _flags.unpack(checks, 1, 1, (3, dtype), (3, dtype))
     check_bounds(lower, upper, box, name)
-    _raise_nonfinite(name, int(nonfinite))
-    _raise_capacity(name, int(needed), capacity)
+    _raise_nonfinite(name, int(nonfinite[0]))
+    _raise_capacity(name, int(needed[0]), capacity)
 
 
 @functools.lru_cache(maxsize=64)
 def _paint_fn(mesh: Mesh, shape: tuple[int, ...], box: Any, spec: PartitionSpec, capacity: int | None,
               backend: str) -> Any:
     """The mapped kernel; ``backend`` (the tuning preset, read at trace time) keys the cache: one trace per preset."""
-    def body(rows: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    def body(rows: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         local = _local_part(rows)
         field, needed = local_paint(local, shape, box=box, spec=spec, capacity=capacity)
         return field, _checks(local, needed)
@@ -445,15 +445,15 @@ def paint(part: Any, shape: Sequence[int], *, box: Any, mesh: Mesh | None = None
     box_key = box if isinstance(box, int | float) else _box3(box)
     backend = tuning_backend(the_mesh.devices)
     field, checks = _paint_fn(the_mesh, shape3, box_key, the_spec, capacity, backend)(_rows(part))
-    if not isinstance(checks[0], Tracer):  # (under an outer jit nothing can be checked)
-        _raise_errors("paint", checks, box, capacity or part.pos.shape[1])
+    if not _flags.is_traced(checks):  # (under an outer jit nothing can be checked)
+        _raise_errors("paint", checks, jnp.result_type(part.pos), box, capacity or part.pos.shape[1])
     return field
 
 
 @functools.lru_cache(maxsize=64)
 def _readout_fn(mesh: Mesh, box: Any, spec: PartitionSpec, capacity: int | None, backend: str) -> Any:
     """As :func:`_paint_fn`."""
-    def body(field: jax.Array, rows: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    def body(field: jax.Array, rows: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         local = _local_part(rows)
         values, needed = local_readout(field, local, box=box, spec=spec, capacity=capacity)
         return values[None], _checks(local, needed)
@@ -490,6 +490,6 @@ def readout(field: jax.Array, part: Any, *, box: Any, mesh: Mesh | None = None, 
     box_key = box if isinstance(box, int | float) else _box3(box)
     backend = tuning_backend(the_mesh.devices)
     values, checks = _readout_fn(the_mesh, box_key, the_spec, capacity, backend)(field, _rows(part))
-    if not isinstance(checks[0], Tracer):
-        _raise_errors("readout", checks, box, capacity or part.pos.shape[1])
+    if not _flags.is_traced(checks):
+        _raise_errors("readout", checks, jnp.result_type(part.pos), box, capacity or part.pos.shape[1])
     return values

@@ -21,7 +21,7 @@ from jax.core import Tracer
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from .. import _zorder
+from .. import _flags, _zorder
 from .._bounds import check_bounds, check_part, mapped_bounds
 from .._compile import particle_compiler_options
 from .._eager import is_concrete, run_compiled
@@ -146,19 +146,23 @@ def _constructed(mesh: Mesh | None, jit: bool, donate: bool) -> Callable[..., An
                                                 capacity=capacity)
                 # Every device knows the largest need: no collective for the flags.
                 cap = capacity if capacity is not None else jnp.shape(local.pos)[0]
-                flags = (result.worst > cap, result.worst, result.nonfinite)
+                checks = (result.worst > cap, result.worst, result.nonfinite)
                 if box is not None and jnp.issubdtype(local.pos.dtype, jnp.floating):  # checked after the call
-                    flags += mapped_bounds(local.pos, local.num)
+                    checks += mapped_bounds(local.pos, local.num)
                 dom = domain_of(result.part, result.key_box, num_cells) if return_domain else None
-                return result.part, result.overflow, flags, dom
+                return result.part, result.overflow, _flags.pack(*checks), dom
 
             fn = smap(body, in_specs=(ALL, P() if not static_box else None),
                       out_specs=(ALL, ALL, P(), P()), mesh=mesh, jit=jit, donate_argnums=(0,) if donate else (),
                       name="zsort.smap", compiler_options=particle_compiler_options() if jit else None)
             cache[key] = fn
-        out_part, overflow, flags, dom = fn(leaves, None if static_box else box)
-        if not isinstance(flags[0], Tracer):
-            any_overflow, needed, nonfinite, *span = jax.device_get(flags)  # one transfer
+        out_part, overflow, checks, dom = fn(leaves, None if static_box else box)
+        if not _flags.is_traced(checks):
+            bounds = (jnp.shape(part.pos)[-1], jnp.result_type(part.pos))
+            spans = (bounds, bounds) if checks.shape[0] > 3 else ()
+            words = _flags.unpack(checks, 1, 1, 1, *spans)  # one transfer
+            any_overflow, needed, nonfinite = (int(w[0]) for w in words[:3])
+            span = words[3:]
             if span:
                 check_bounds(span[0], span[1], box, "zsort.smap")
             if int(nonfinite):

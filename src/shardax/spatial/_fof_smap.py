@@ -13,10 +13,10 @@ from typing import Any, NamedTuple, NoReturn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import Tracer
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from .. import _flags
 from .._bounds import check_bounds, mapped_bounds
 from .._compile import particle_compiler_options
 from .._errors import CapacityError
@@ -77,7 +77,7 @@ def _smap_body(treedef: Any, static: _Static, sizes: Buffers) -> Callable[..., A
         every = allgather(jnp.concatenate([res.overflow.astype(jnp.int32)[None], res.needed, bad[None]]))
         worst = jnp.max(every[:, :-1], axis=0)
         span = mapped_bounds(view.pos, view.num) if static.box is not None else ()  # checked after the call
-        return res, (worst[0], worst[1:], jnp.sum(every[:, -1]), *span)
+        return res, _flags.pack(worst[0], worst[1:], jnp.sum(every[:, -1]), *span)
 
     return body
 
@@ -143,9 +143,11 @@ def global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., F
         for _ in range(_AUTO_ROUNDS):
             sizes = _start_sizes(requested, auto, n)
             res, checks = compiled(treedef, static, sizes)(leaves)
-            if isinstance(checks[0], Tracer):
+            if _flags.is_traced(checks):
                 return res
-            any_overflow, needed, bad, *span = jax.device_get(checks)  # one transfer
+            bounds = (int(jnp.shape(pos)[-1]), jnp.result_type(pos))
+            words = _flags.unpack(checks, 1, len(Buffers._fields), 1, *((bounds, bounds) if box is not None else ()))
+            any_overflow, needed, bad, span = words[0][0], words[1], words[2][0], words[3:]  # one transfer
             _check_data(bad, span, box)
             if not int(any_overflow):
                 return res

@@ -12,6 +12,7 @@ from jax.core import Tracer
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from .. import _flags
 from .._bounds import check_bounds, check_local, mapped_bounds
 from .._compile import particle_compiler_options
 from .._errors import CapacityError
@@ -354,15 +355,18 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
                                             ghost_capacity=ghost_capacity, zorder=zorder, tuning=resolved)
                 checks = tuple(allreduce(jnp.asarray(f, jnp.int32), "max") for f in flags)
                 span = mapped_bounds(pos, part.num) if static_box is not None else ()  # checked after the call
-                return result, zpart, (*checks, total, nonfinite, extent, *span)
+                return result, zpart, _flags.pack(*checks, total, nonfinite, extent, *span)
 
             fn = smap(body, in_specs=(ALL, ALL), out_specs=(ALL, ALL, P()), mesh=mesh, jit=jit, name="knn.smap",
                       compiler_options=particle_compiler_options() if jit else None)
             cache[key] = fn
         result, zpart, checks = fn(part_leaves, query_leaves)
-        if not isinstance(checks[0], Tracer):
-            ghost_overflow, ghost_needed, sort_overflow, sort_needed, total, nonfinite, extent, *span = (
-                jax.device_get(checks))  # one transfer
+        if not _flags.is_traced(checks):
+            dtype = jnp.result_type(part.pos)
+            bounds = (int(jnp.shape(part.pos)[-1]), dtype)
+            words = _flags.unpack(checks, 1, 1, 1, 1, 1, 1, (1, dtype), *((bounds, bounds) if static_box is not None else ()))
+            ghost_overflow, ghost_needed, sort_overflow, sort_needed, total, nonfinite = (int(w[0]) for w in words[:6])
+            extent, span = words[6][0], words[7:]  # one transfer
             if span:
                 check_bounds(span[0], span[1], box, "knn.smap")
             if int(nonfinite):
