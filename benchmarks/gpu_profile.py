@@ -7,15 +7,18 @@ device spent idle: launch gaps and the host's checks of ``while`` loop condition
 
     PYTHONPATH=src python benchmarks/gpu_profile.py --out profile.json                 # full sizes, on a GPU
     PYTHONPATH=src python benchmarks/gpu_profile.py --quick                            # tiny sizes, any backend
-    PYTHONPATH=src python benchmarks/gpu_profile.py --only knn_1e7 --knn-variants      # kNN tunings side by side
+    PYTHONPATH=src python benchmarks/gpu_profile.py --only knn_1e7 --knn-variants "block=4;block=4,per_cell=10"
+                                                                        # kNN tunings side by side
 
 Cases: ``knn_1e6`` (k=9), ``knn_1e7`` (k=30), ``fof_1e7`` (b=0.2), ``fields`` (paint and readout of 1e7
 particles on 256^3), each the jitted local view on one device as ``benchmarks/gpu.py`` times it; ``topk``
 (``lax.top_k`` against a full sort of the same rows, the selection kNN's tiles need); ``wrappers`` (``zsort.smap``
 and ``paint`` against their jitted local views at 1e6 particles). ``--no-command-buffers`` launches every kernel
 on its own, so the operations inside XLA's GPU command buffers show by name. Each kNN size also times the other selection method
-(``KnnTuning.select``); ``--knn-variants`` adds two tunings (16 queries per block, 1.5x the points per cell);
-indices are compared with the default's.
+(``KnnTuning.select``; ``--no-other-select`` skips it); ``--knn-variants`` adds tunings, each a set of
+``KnnTuning`` fields over the backend's preset (``;`` between tunings, ``,`` between fields); indices are compared
+with the default's. ``wrappers`` also times ``readout``, ``knn.smap`` (k = 9) and ``fof.smap`` (b = 0.2) against
+their jitted local views.
 """
 
 from __future__ import annotations
@@ -131,7 +134,19 @@ def _particles(host: np.ndarray) -> Any:
     return sx.particles.Particles(pos=jnp.asarray(host), num=jnp.int32(len(host)))
 
 
-def _knn_case(n: int, k: int, repeat: int, top: int, variants: bool) -> dict[str, Any]:
+def _variants(spec: str) -> dict[str, dict[str, Any]]:
+    """``"block=4;block=4,per_cell=10"`` as ``{"block=4": {"block": 4}, ...}`` (ints where the value is one)."""
+    out: dict[str, dict[str, Any]] = {}
+    for variant in filter(None, (v.strip() for v in spec.split(";"))):
+        fields = {}
+        for item in variant.split(","):
+            name, value = (x.strip() for x in item.split("="))
+            fields[name] = int(value) if value.lstrip("-").isdigit() else float(value)
+        out[variant] = fields
+    return out
+
+
+def _knn_case(n: int, k: int, repeat: int, top: int, variants: str, other_select: bool) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
@@ -150,20 +165,22 @@ def _knn_case(n: int, k: int, repeat: int, top: int, variants: bool) -> dict[str
 
     base = run(None)
     first, median, ref = timed(base, repeat)
+    base_median = median
     out["default"] = {"first_s": first, "median_s": median, "profile": _profile(base, top, hlo(None))}
     # The other selection method beside the backend's default (threshold on a GPU, top_k on CPU).
     default = KnnTuning(preset="cpu" if jax.default_backend() == "cpu" else "gpu")
     other = dataclasses.replace(default, select="threshold" if jax.default_backend() == "cpu" else "top_k")
-    first, median, res = timed(run(other), repeat)
-    out[f"select={other.select}"] = {"first_s": first, "median_s": median,
-                                     "same_indices": bool(jnp.all(res.indices == ref.indices))}
-    if variants:
-        for name, tuning in {"block=16": dataclasses.replace(default, block=16),
-                             "per_cell x1.5": dataclasses.replace(default, per_cell=1.5 * max(4.0, 0.5 * k))}.items():
-            first, median, res = timed(run(tuning), repeat)
-            out[name] = {"first_s": first, "median_s": median,
-                         "same_indices": bool(jnp.all(res.indices == ref.indices))}
-            print(f"  knn {n:.0e} {name}: {median * 1e3:.2f} ms", flush=True)
+    if other_select:
+        first, median, res = timed(run(other), repeat)
+        out[f"select={other.select}"] = {"first_s": first, "median_s": median,
+                                         "same_indices": bool(jnp.all(res.indices == ref.indices))}
+    print(f"  knn {n:.0e} default: {base_median * 1e3:.2f} ms", flush=True)
+    for name, fields in _variants(variants).items():
+        tuning = dataclasses.replace(default, **fields)
+        first, median, res = timed(run(tuning), repeat)
+        out[name] = {"first_s": first, "median_s": median,
+                     "same_indices": bool(jnp.all(res.indices == ref.indices))}
+        print(f"  knn {n:.0e} {name}: {median * 1e3:.2f} ms (first call {first:.1f} s)", flush=True)
     return out
 
 
@@ -213,9 +230,21 @@ def _wrappers_case(n: int, g: int, repeat: int, top: int) -> dict[str, Any]:
     zsort_local = jax.jit(lambda p: sx.particles.zsort(p, box=1.0))
     zsort_global = sx.particles.zsort.smap(mesh)
     paint_local = jax.jit(lambda p: sx.fields.local_paint(p, (g, g, g), box=1.0)[0])
+    readout_local = jax.jit(lambda f, p: sx.fields.local_readout(f, p, box=1.0)[0])
+    rho = sx.fields.paint(part, (g, g, g), box=1.0, mesh=mesh)
+    rho_local = jax.device_put(np.asarray(rho), jax.devices()[0])
+    knn_local = jax.jit(lambda p: sx.spatial.knn(p, 9, box=1.0))
+    knn_global = sx.spatial.knn.smap(mesh)
+    ll = 0.2 / n ** (1 / 3)
+    fof_local = jax.jit(lambda p: sx.spatial.fof(p, ll, box=1.0))
+    fof_global = sx.spatial.fof.smap(mesh)
     calls = {"zsort jit": lambda: zsort_local(local_part), "zsort.smap": lambda: zsort_global(part, box=1.0),
              "local_paint jit": lambda: paint_local(local_part),
-             "paint": lambda: sx.fields.paint(part, (g, g, g), box=1.0)}
+             "paint": lambda: sx.fields.paint(part, (g, g, g), box=1.0),
+             "local_readout jit": lambda: readout_local(rho_local, local_part),
+             "readout": lambda: sx.fields.readout(rho, part, box=1.0),
+             "knn jit": lambda: knn_local(local_part), "knn.smap": lambda: knn_global(part, 9, box=1.0),
+             "fof jit": lambda: fof_local(local_part), "fof.smap": lambda: fof_global(part, ll, box=1.0)}
     out: dict[str, Any] = {}
     for name, call in calls.items():
         first, median, _ = timed(call, repeat)
@@ -252,8 +281,11 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes")
     parser.add_argument("--only", default="",
                         help="comma-separated: knn_1e6, knn_1e7, fof_1e7, fields, topk, wrappers")
-    parser.add_argument("--knn-variants", action="store_true",
-                        help="also time two kNN tunings (block=16, 1.5x per_cell)")
+    parser.add_argument("--knn-variants", nargs="?", const="block=4;block=4,per_cell=10", default="",
+                        help="also time these kNN tunings: KnnTuning fields over the preset, ';' between tunings, "
+                             "',' between fields (default when given alone: 'block=4;block=4,per_cell=10')")
+    parser.add_argument("--no-other-select", action="store_true",
+                        help="do not time kNN with the other selection method")
     parser.add_argument("--top", type=int, default=15, help="operations listed per case")
     parser.add_argument("--no-command-buffers", action="store_true",
                         help="launch every kernel on its own (XLA's GPU command buffers hide the operations)")
@@ -264,8 +296,8 @@ def main() -> int:
     small = 3000 if args.quick else 10**6
     repeat = 2 if args.quick else 3
     cases: dict[str, Callable[[], dict[str, Any]]] = {
-        "knn_1e6": lambda: _knn_case(small, 9, repeat, args.top, args.knn_variants),
-        "knn_1e7": lambda: _knn_case(big, 30, repeat, args.top, args.knn_variants),
+        "knn_1e6": lambda: _knn_case(small, 9, repeat, args.top, args.knn_variants, not args.no_other_select),
+        "knn_1e7": lambda: _knn_case(big, 30, repeat, args.top, args.knn_variants, not args.no_other_select),
         "fof_1e7": lambda: _fof_case(big, repeat, args.top),
         "fields": lambda: _fields_case(big, 16 if args.quick else 256, repeat, args.top),
         "topk": lambda: _topk_case(2000 if args.quick else 10**6, args.quick, repeat),
