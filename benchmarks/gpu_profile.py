@@ -10,7 +10,8 @@ device spent idle: launch gaps and the host's checks of ``while`` loop condition
     PYTHONPATH=src python benchmarks/gpu_profile.py --only knn_1e7 --knn-variants "block=4;block=4,per_cell=10"
                                                                         # kNN tunings side by side
 
-Cases: ``knn_1e6`` (k=9), ``knn_1e7`` (k=30), ``fof_1e7`` (b=0.2), ``fields`` (paint and readout of 1e7
+Cases: ``knn_1e6`` (k=9), ``knn_1e7`` (k=30), ``knn_blobs`` (1e6 points in 64 Gaussian blobs over a 20%
+uniform background, k=9, as ``benchmarks/knn.py``'s), ``fof_1e7`` (b=0.2), ``fields`` (paint and readout of 1e7
 particles on 256^3), each the jitted local view on one device as ``benchmarks/gpu.py`` times it; ``topk``
 (``lax.top_k`` against a full sort of the same rows, the selection kNN's tiles need); ``wrappers`` (``zsort.smap``
 and ``paint`` against their jitted local views at 1e6 particles). ``--no-command-buffers`` launches every kernel
@@ -146,14 +147,16 @@ def _variants(spec: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _knn_case(n: int, k: int, repeat: int, top: int, variants: str, other_select: bool) -> dict[str, Any]:
+def _knn_case(n: int, k: int, repeat: int, top: int, variants: str, other_select: bool,
+              data: str = "uniform") -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
+    from knn import make_points  # benchmarks/knn.py's points (uniform, or 64 blobs over a uniform background)
 
     import shardax as sx
     from shardax.spatial import KnnTuning
 
-    part = _particles(_uniform(n))
+    part = _particles(make_points(data, n, 0) if data != "uniform" else _uniform(n))
     out: dict[str, Any] = {}
 
     def run(tuning: Any) -> Callable[[], Any]:
@@ -280,7 +283,7 @@ def main() -> int:
     parser.add_argument("--out", default="profile.json")
     parser.add_argument("--quick", action="store_true", help="tiny sizes")
     parser.add_argument("--only", default="",
-                        help="comma-separated: knn_1e6, knn_1e7, fof_1e7, fields, topk, wrappers")
+                        help="comma-separated: knn_1e6, knn_1e7, knn_blobs, fof_1e7, fields, topk, wrappers")
     parser.add_argument("--knn-variants", nargs="?", const="block=4;block=4,per_cell=10", default="",
                         help="also time these kNN tunings: KnnTuning fields over the preset, ';' between tunings, "
                              "',' between fields (default when given alone: 'block=4;block=4,per_cell=10')")
@@ -298,6 +301,8 @@ def main() -> int:
     cases: dict[str, Callable[[], dict[str, Any]]] = {
         "knn_1e6": lambda: _knn_case(small, 9, repeat, args.top, args.knn_variants, not args.no_other_select),
         "knn_1e7": lambda: _knn_case(big, 30, repeat, args.top, args.knn_variants, not args.no_other_select),
+        "knn_blobs": lambda: _knn_case(small, 9, repeat, args.top, args.knn_variants, not args.no_other_select,
+                                       data="blobs"),
         "fof_1e7": lambda: _fof_case(big, repeat, args.top),
         "fields": lambda: _fields_case(big, 16 if args.quick else 256, repeat, args.top),
         "topk": lambda: _topk_case(2000 if args.quick else 10**6, args.quick, repeat),
