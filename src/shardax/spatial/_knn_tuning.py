@@ -115,8 +115,9 @@ def resolve(tuning: KnnTuning | str | None, where: str, devices: Any = None) -> 
 class Tiles(NamedTuple):
     """How one grid pass cuts its work (static): queries per block, candidate slots per block, blocks per
     sequential step, the ``jnp.searchsorted`` methods of the candidate runs and of each slot's run, how each
-    query selects its nearest candidates (method and packed width), and the blocks of the one step a pass of at
-    most that many blocks takes instead (0: none)."""
+    query selects its nearest candidates (method and packed width), the blocks of the one step a pass of at
+    most that many blocks takes instead (0: none), and whether a block also ends at an empty cell of its row (the
+    scattered queries of a compacted pass)."""
 
     block: int
     capacity: int
@@ -126,6 +127,7 @@ class Tiles(NamedTuple):
     select: SelectMethod
     select_width: int
     few_batch: int = 0
+    split_gaps: bool = False
 
 
 class Sizes(NamedTuple):
@@ -158,7 +160,7 @@ class Sizes(NamedTuple):
         # A pass over the last few uncertified queries takes one small step instead of a large one of padding.
         few = self.later_batch // 64 if self.later_batch >= 128 else 0
         return Tiles(self.block, self.later_capacity, self.later_batch, self.search, self.slot_search, self.select,
-                     self.select_width, few)
+                     self.select_width, few, split_gaps=True)
 
 
 def sizes(tuning: KnnTuning, dim: int, k: int, m: int, n: int) -> Sizes:
