@@ -15,8 +15,8 @@ uniform background, k=9, as ``benchmarks/knn.py``'s), ``fof_1e7`` (b=0.2), ``fie
 particles on 256^3), each the jitted local view on one device as ``benchmarks/gpu.py`` times it; ``topk``
 (``lax.top_k`` against a full sort of the same rows, the selection kNN's tiles need); ``wrappers`` (``zsort.smap``
 and ``paint`` against their jitted local views at 1e6 particles). ``--no-command-buffers`` launches every kernel
-on its own, so the operations inside XLA's GPU command buffers show by name. Each kNN size also times the other selection method
-(``KnnTuning.select``; ``--no-other-select`` skips it); ``--knn-variants`` adds tunings, each a set of
+on its own, so the operations inside XLA's GPU command buffers show by name. Each kNN size also times the other
+selection method (``KnnTuning.select``; ``--no-other-select`` skips it); ``--knn-variants`` adds tunings, each a set of
 ``KnnTuning`` fields over the backend's preset (``;`` between tunings, ``,`` between fields); indices are compared
 with the default's. ``wrappers`` also times ``readout``, ``knn.smap`` (k = 9) and ``fof.smap`` (b = 0.2) against
 their jitted local views.

@@ -364,7 +364,8 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
         if not _flags.is_traced(checks):
             dtype = jnp.result_type(part.pos)
             bounds = (int(jnp.shape(part.pos)[-1]), dtype)
-            words = _flags.unpack(checks, 1, 1, 1, 1, 1, 1, (1, dtype), *((bounds, bounds) if static_box is not None else ()))
+            spans = (bounds, bounds) if static_box is not None else ()
+            words = _flags.unpack(checks, 1, 1, 1, 1, 1, 1, (1, dtype), *spans)
             ghost_overflow, ghost_needed, sort_overflow, sort_needed, total, nonfinite = (int(w[0]) for w in words[:6])
             extent, span = words[6][0], words[7:]  # one transfer
             if span:

@@ -1,10 +1,10 @@
 """One certified grid pass of the local kNN: dense distance blocks over row-aligned blocks of queries.
 
 The data are sorted by cell key. Active queries, sorted the same way, are cut into blocks of at most ``block``
-consecutive queries that never cross a grid row (nor, in a compacted pass, skip an empty cell of it). A block's candidates are the cells ``[x0 - 1, x1 + 1]`` of the
-``3**(d-1)`` rows around it: contiguous runs of the sorted data, packed into ``capacity`` slots and gathered once
-for the whole block. One dense `(block, capacity)` distance tile and ``lax.top_k`` then give every query of the
-block its ``k + 1`` nearest candidates.
+consecutive queries that never cross a grid row (nor, in a compacted pass, skip an empty cell of it). A block's
+candidates are the cells ``[x0 - 1, x1 + 1]`` of the ``3**(d-1)`` rows around it: contiguous runs of the sorted
+data, packed into ``capacity`` slots and gathered once for the whole block. One dense `(block, capacity)` distance
+tile and ``lax.top_k`` then give every query of the block its ``k + 1`` nearest candidates.
 
 A query's answer is certified exact when no candidate run was cut off by ``capacity``, its k-th distance is below
 the distance to the outside of the searched cells, and its k-th and (k+1)-th distances differ (so the tie-break by
