@@ -65,7 +65,7 @@ def _smap_body(treedef: Any, static: _Static, sizes: Buffers) -> Callable[..., A
     """The mapped function of ``fof.smap``: :func:`fof` on one device's leaves, and the flags the host checks
     (overflow, the rows each buffer needed, positions that are not finite, the data's bounds in a box)."""
 
-    def body(leaves: list[jax.Array]) -> tuple[FofResult, tuple[jax.Array, ...]]:
+    def body(leaves: list[jax.Array]) -> tuple[FofResult, jax.Array]:
         local = jax.tree.unflatten(treedef, leaves)
         view = particle_set(local, "fof.smap", global_view="fof.smap")
         n = view.pos.shape[0]
