@@ -142,7 +142,7 @@ def _search(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array, query_v
                       reach=1, k=k, tiles=size.full)
     adapted = _adaptive_passes(problem, first, query_valid)
     swept = _level_sweep(problem, adapted)
-    dist2, rows, brute_steps = _brute_force(problem, order, swept.active, into=(swept.dist2, swept.rows))
+    dist2, rows, brute_steps = _brute_force(problem, swept.active, into=(swept.dist2, swept.rows))
     dist2, rows = _order_ties(dist2, rows, order)
     found = query_valid[:, None] & jnp.isfinite(dist2)
     return (jnp.where(found, dist2, jnp.inf), jnp.where(found, rows, -1),
@@ -274,15 +274,15 @@ class _DataTiles(NamedTuple):
 _BRUTE_FEW = 8
 
 
-def _brute_force(problem: _Problem, order: jax.Array, active: jax.Array, *,
+def _brute_force(problem: _Problem, active: jax.Array, *,
                  into: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Replace the results ``into`` of the ``active`` queries by a scan over all data in ``order``, in chunks of
+    """Replace the results ``into`` of the ``active`` queries by a scan over all data in tie-break order, in chunks of
     ``brute_queries`` queries against tiles of ``brute_tile`` rows (at most ``_BRUTE_FEW`` active queries: one
     chunk of that many, against tiles as much larger); also the steps run."""
     n = problem.pos.shape[0]
     m = problem.query_pos.shape[0]
     tile, chunk = min(problem.size.brute_tile, n), min(problem.size.brute_queries, m)
-    by_order = _tie_break_order(problem, order)
+    by_order = _tie_break_order(problem)
     num_active = jnp.sum(active, dtype=jnp.int32)
     todo = jnp.pad(positions_of(active, m, m), (0, chunk), constant_values=m)
     init = vary_like(_Best(*into), problem.query_pos)
@@ -313,11 +313,11 @@ def _brute_force(problem: _Problem, order: jax.Array, active: jax.Array, *,
     return out.dist2, out.rows, steps
 
 
-def _tie_break_order(problem: _Problem, order: jax.Array) -> jax.Array:
+def _tie_break_order(problem: _Problem) -> jax.Array:
     """The data rows in tie-break order, invalid rows last."""
     n = problem.pos.shape[0]
     # Data in tie-break order: top_k keeps the earlier of equal values, and the kept best come first.
-    _, by_order = lax.sort((jnp.where(problem.data_valid, order, jnp.iinfo(jnp.int32).max),
+    _, by_order = lax.sort((jnp.where(problem.data_valid, problem.order, jnp.iinfo(jnp.int32).max),
                             jnp.arange(n, dtype=jnp.int32)), num_keys=1, is_stable=True)
     return by_order
 
