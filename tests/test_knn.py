@@ -364,9 +364,10 @@ def test_gpu_tuning_lattice_ties() -> None:
 
 
 def test_threshold_selection_is_top_k() -> None:
-    """The GPU preset's selection gives lax.top_k's values and positions (equal values in position order) on rows
-    with ties, zeros, infinities, fewer than kk finite entries and none; rows marked not exact keep kk real entries
-    or infinities and never make a step take the whole top_k."""
+    """The GPU preset's selection gives lax.top_k's values and positions (equal values in position order) for every
+    value within a row's bound, then infinities, on rows with ties, zeros, infinities, fewer than kk finite entries
+    and none. A row is `ok` exactly when it can be: its bound holds kk - 1 entries and its edge at most `width`; the
+    other rows (too few within the bound, too many equal values, not exact) keep real entries in ascending order."""
     rng = np.random.default_rng(21)
     select = jax.jit(smallest, static_argnames=("kk", "select", "width"))
     top_k = jax.jit(jax.lax.top_k, static_argnames="k")
@@ -383,22 +384,41 @@ def test_threshold_selection_is_top_k() -> None:
         elif kind == 4:
             x[rng.random(x.shape) < 0.3] = 0
         elif kind == 5:
-            x = x * np.float32(1e-30)  # tiny values (bin edges underflow)
+            x = x * np.float32(1e-30)  # tiny values (edges underflow)
         neg, want_pick = top_k(-jnp.asarray(x), k=kk)
         want = -np.asarray(neg)
-        finite = np.isfinite(want)
+        ordered = np.sort(x, axis=1)
         for slots in (kk, kk + 8, 2 * kk + 16):
-            got, pick = select(jnp.asarray(x), kk=kk, select="threshold", width=slots)
-            np.testing.assert_array_equal(np.asarray(got), want)
-            np.testing.assert_array_equal(np.asarray(pick)[finite], np.asarray(want_pick)[finite])
-    # Many equal values in a row that need not be exact: its kk entries are real ones within its threshold.
+            # Bounds at the (kk + 2)-th value, the largest one, the (kk - 1)-th and below it, and none (-1).
+            bound = np.stack([ordered[:, min(kk + 1, 210)], ordered[:, -1], ordered[:, max(kk - 2, 0)],
+                              ordered[:, max(kk - 2, 0)] * 0.99, -np.ones(37, np.float32)], axis=1)
+            bound = np.where(np.isfinite(bound), bound, np.float32(3e38))[np.arange(37), rng.integers(0, 5, 37)]
+            got = select(jnp.asarray(x), kk=kk, select="threshold", width=slots, bound=jnp.asarray(bound))
+            values, pick, ok = (np.asarray(a) for a in (got.best, got.pick, got.ok))
+            within = (x <= bound[:, None]).sum(axis=1)
+            edges = bound[:, None] * np.float32(2) ** (np.arange(-15, 1, dtype=np.float32) / np.float32(4))
+            edges[:, -1] = bound
+            counts = (x[:, :, None] <= edges[:, None, :]).sum(axis=1)
+            reached = np.where((counts >= kk).any(axis=1), counts[np.arange(37), np.argmax(counts >= kk, axis=1)],
+                               within)
+            np.testing.assert_array_equal(ok, (within >= kk - 1) & (reached <= slots) & (bound >= 0))
+            inside = want <= bound[:, None]
+            expect = np.where(inside, want, np.inf)
+            np.testing.assert_array_equal(values[ok], expect[ok])
+            np.testing.assert_array_equal(pick[ok[:, None] & inside], np.asarray(want_pick)[ok[:, None] & inside])
+            # Every row: ascending values of real entries (or inf), read at their positions.
+            assert np.all(values[:, 1:] >= values[:, :-1])
+            real = np.isfinite(values)
+            np.testing.assert_array_equal(np.take_along_axis(x, pick, axis=1)[real], values[real])
+    # Many equal values: too many in the edge that reaches kk (dense); a row not exact is never ok.
     x = np.full((3, 100), 0.25, np.float32)
-    x[1] = rng.random(100)
-    exact = jnp.asarray([False, True, True])
-    got, pick = smallest(jnp.asarray(x), 5, select="threshold", width=8, exact=exact)
-    np.testing.assert_array_equal(np.asarray(got)[0], np.full(5, 0.25, np.float32))
-    np.testing.assert_array_equal(np.asarray(got)[1:], -np.asarray(jax.lax.top_k(-jnp.asarray(x[1:]), 5)[0]))
-    assert np.all(x[0][np.asarray(pick)[0]] == 0.25)
+    x[1:] = rng.random((2, 100))
+    got = smallest(jnp.asarray(x), 5, select="threshold", width=8, bound=jnp.ones(3), exact=jnp.asarray([True, False,
+                                                                                                         True]))
+    np.testing.assert_array_equal(np.asarray(got.ok), [False, False, True])
+    np.testing.assert_array_equal(np.asarray(got.dense), [True, False, False])
+    np.testing.assert_array_equal(np.asarray(got.best)[0], np.full(5, 0.25, np.float32))
+    np.testing.assert_array_equal(np.asarray(got.best)[2], np.sort(x[2])[:5])
 
 
 @pytest.mark.parametrize("preset", ["cpu", "gpu"])

@@ -67,57 +67,88 @@ def pair_dist2(q: jax.Array, c: jax.Array, domain: Domain) -> jax.Array:
     return total
 
 
-# Counting bins per pass of the threshold selection: log-spaced (factors of two in squared distance), then linear
-# within the bin that holds the (k+1)-th value.
-_SELECT_BINS = 16
+# Counting edges of the threshold selection: 16 edges a quarter of an octave apart in squared distance, the last at
+# the row's bound. Between two edges a ball's volume grows by 1.3x, so the edge that first holds k + 1 entries holds
+# about 1.3 (k + 1) of them (at a third of an octave, 1.4x, 3 of 1e6 uniform queries at k=30 overflowed 64 slots).
+# The lowest edge is 2**-3.75 of the bound: a k-th neighbour closer than that is in a region denser than the grid
+# was made for, and a finer grid answers it.
+_SELECT_EDGES = 16
+_SELECT_STEP = 4
 
 
-def smallest(d2: jax.Array, kk: int, *, select: str, width: int, exact: jax.Array | None = None
-             ) -> tuple[jax.Array, jax.Array]:
-    """The ``kk`` smallest values along the last axis of ``d2 (..., C)``, ascending, and their positions: exactly
-    ``lax.top_k(-d2, kk)`` (equal values in position order), values negated back.
+class Selected(NamedTuple):
+    """:func:`smallest`'s answer: values `(..., kk)` ascending, their positions `(..., kk)`, and `(...)` whether a
+    row's selection is exact within its bound (``ok``) and whether a row failed for too many entries near its k-th
+    (``dense``: a finer grid suits it)."""
 
-    ``select="threshold"``: two counting passes (:func:`_threshold`) find, per row, a value that at least ``kk``
-    finite entries reach; the entries within it are packed in position order into ``width`` slots and
-    ``lax.top_k`` runs over those. A GPU sorts a whole row for ``lax.top_k``, so this replaces a sort of ``C``
-    entries by a few passes over them and a sort of ``width``. A step where some row holds more than ``width``
-    entries within its threshold (many equal distances) takes ``lax.top_k`` over every entry instead; the result is
-    the same either way. ``exact`` (shape ``d2.shape[:-1]``): the rows whose answer must be exact; the others
-    (padding queries, overflowing candidate runs) never send a step the ``lax.top_k`` way, and get ``kk`` of their
-    entries within the threshold, in order (their real candidates, or ``inf`` where a row has fewer).
+    best: jax.Array
+    pick: jax.Array
+    ok: jax.Array
+    dense: jax.Array
+
+
+def smallest(d2: jax.Array, kk: int, *, select: str, width: int, bound: jax.Array,
+             exact: jax.Array | None = None) -> Selected:
+    """The ``kk`` smallest values along the last axis of ``d2 (..., C)`` that lie within ``bound (...)``, ascending,
+    and their positions: where ``ok``, exactly ``lax.top_k(-d2, kk)`` (equal values in position order, values negated
+    back) for every value ``<= bound``, and ``inf`` after them.
+
+    ``select="top_k"``: ``lax.top_k`` over the whole row (``ok`` everywhere). ``select="threshold"``: one counting
+    pass counts, per row, the entries under 16 edges spaced a quarter of an octave apart below ``bound``; the entries
+    within the first edge that holds ``kk`` of them (else within ``bound``, if it holds ``kk - 1``) are packed in
+    position order into ``width`` slots and ``lax.top_k`` runs over those. A GPU sorts a whole row for
+    ``lax.top_k``, so this replaces a sort of ``C`` entries by one pass over them and a sort of ``width``. A row is
+    not ``ok`` when fewer than ``kk - 1`` entries lie within its bound, when its edge holds more than ``width``
+    entries (many equal or very close values: ``dense``), or when it is not ``exact`` (shape ``d2.shape[:-1]``;
+    padding queries, overflowing candidate runs). Every row that is not ``ok`` gets ``kk`` of its finite entries
+    in position order among its first ``width`` ones (real candidates, or ``inf`` where a row has fewer).
     """
     c = d2.shape[-1]
-    if select == "top_k" or width >= c:
-        return _top_k(d2, kk)
     lead = d2.shape[:-1]
+    if select == "top_k" or width >= c:
+        best, pick = _top_k(d2, kk)
+        ok = jnp.ones(lead, bool)
+        return Selected(best, pick, ok, ~ok)
     flat = d2.reshape(-1, c)
     rows = flat.shape[0]
-    limit, count = _threshold(flat, kk)
-
-    def packed(flat: jax.Array) -> tuple[jax.Array, jax.Array]:
-        keep = flat <= limit[:, None]
-        rank = jnp.cumsum(keep, axis=1, dtype=jnp.int32) - 1
-        slot = jnp.arange(rows, dtype=jnp.int32)[:, None] * width + rank
-        # Entries left out go past the end, each to a slot of its own while that fits int32: every index is then
-        # distinct and the scatter needs no atomics.
-        distinct = rows * (width + c) < 2**31
-        past = rows * width + (jnp.arange(rows * c, dtype=jnp.int32).reshape(rows, c) if distinct else 0)
-        slot = jnp.where(keep & (rank < width), slot, past)
-        # Position c marks an empty slot; it reads as +inf, after every kept (finite) entry.
-        where = jnp.full((rows * width,), c, jnp.int32).at[slot.reshape(-1)].set(
-            jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), flat.shape).reshape(-1), mode="drop",
-            unique_indices=distinct).reshape(rows, width)
-        values = jnp.where(where < c, jnp.take_along_axis(flat, jnp.minimum(where, c - 1), axis=1), jnp.inf)
-        best, pick = _top_k(values, kk)
-        # A row with fewer than kk finite entries fills its tail with +inf entries; lax.top_k over the whole row
-        # would name the first infinite positions, which these are not: they are only read through invalid slots.
-        return best, jnp.minimum(jnp.take_along_axis(where, pick, axis=1), c - 1)
-
+    dtype = d2.dtype
+    top = bound.reshape(-1).astype(dtype)
+    scale = jnp.asarray(2.0, dtype) ** (jnp.arange(1 - _SELECT_EDGES, 1, dtype=dtype) / _SELECT_STEP)
+    edges = (top[:, None] * scale[None, :]).at[:, -1].set(top)
+    # (R, E) entries <= each edge, the edges last: on one H200 (1e7 points, k=30) the whole kNN ran 416 ms this
+    # way, 471 ms with the comparison laid out `(R, E, C)` and 432 ms as one reduction per edge.
+    counts = jnp.sum(flat[:, :, None] <= edges[:, None, :], axis=1, dtype=jnp.int32)
+    j = jnp.argmax(counts >= kk, axis=1)
+    reached = counts[:, -1] >= kk
+    limit = jnp.where(reached, jnp.take_along_axis(edges, j[:, None], axis=1)[:, 0], top)
+    count = jnp.where(reached, jnp.take_along_axis(counts, j[:, None], axis=1)[:, 0], counts[:, -1])
+    enough = counts[:, -1] >= kk - 1
     fits = count <= width
+    ok = enough & fits & (top >= 0)
     if exact is not None:
-        fits = fits | ~exact.reshape(-1)
-    best, pick = lax.cond(jnp.all(fits), packed, lambda flat: _top_k(flat, kk), flat)
-    return best.reshape(*lead, kk), pick.reshape(*lead, kk)
+        ok = ok & exact.reshape(-1)
+    # The other rows keep their first finite entries (a row's finite entries never exceed the largest float).
+    limit = jnp.where(ok, limit, jnp.finfo(dtype).max)
+
+    keep = flat <= limit[:, None]
+    rank = jnp.cumsum(keep, axis=1, dtype=jnp.int32) - 1
+    slot = jnp.arange(rows, dtype=jnp.int32)[:, None] * width + rank
+    # Entries left out go past the end, each to a slot of its own while that fits int32: every index is then
+    # distinct and the scatter needs no atomics.
+    distinct = rows * (width + c) < 2**31
+    past = rows * width + (jnp.arange(rows * c, dtype=jnp.int32).reshape(rows, c) if distinct else 0)
+    slot = jnp.where(keep & (rank < width), slot, past)
+    # Position c marks an empty slot; it reads as +inf, after every kept (finite) entry.
+    where = jnp.full((rows * width,), c, jnp.int32).at[slot.reshape(-1)].set(
+        jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), flat.shape).reshape(-1), mode="drop",
+        unique_indices=distinct).reshape(rows, width)
+    values = jnp.where(where < c, jnp.take_along_axis(flat, jnp.minimum(where, c - 1), axis=1), jnp.inf)
+    best, pick = _top_k(values, kk)
+    # A row with fewer than kk kept entries fills its tail with +inf; lax.top_k over the whole row would name the
+    # first infinite positions, which these are not: they are only read through empty slots.
+    pick = jnp.minimum(jnp.take_along_axis(where, pick, axis=1), c - 1)
+    dense = enough & ~fits
+    return Selected(best.reshape(*lead, kk), pick.reshape(*lead, kk), ok.reshape(lead), dense.reshape(lead))
 
 
 def _boundary_ties(d2: jax.Array, cand_order: jax.Array, best: jax.Array, pick: jax.Array, k: int,
@@ -149,48 +180,24 @@ def _boundary_ties(d2: jax.Array, cand_order: jax.Array, best: jax.Array, pick: 
     return lax.cond(jnp.any(tied), by_rank, lambda args: args, (best, pick))
 
 
+def _searched_width2(span: jax.Array, reach: int, domain: Domain, grid: Grid) -> jax.Array:
+    """`(B,)` the squared diagonal of each block's searched cells (``span + 1 + 2 reach`` cells along axis 0, ``1 +
+    2 reach`` along the others, half a periodic box at most): no candidate lies farther from a query of the block,
+    up to the rounding of the cell assignment."""
+    total = jnp.zeros(span.shape, grid.size.dtype)
+    for axis in range(grid.size.shape[0]):
+        cells = span + 1 + 2 * reach if axis == 0 else jnp.full(span.shape, 1 + 2 * reach)
+        width = cells.astype(grid.size.dtype) * grid.size[axis]
+        if domain.periodic:
+            width = jnp.minimum(width, 0.5 * domain.extent[axis])
+        total = total + width * width
+    return total
+
+
 def _top_k(d2: jax.Array, kk: int) -> tuple[jax.Array, jax.Array]:
     """The ``kk`` smallest values along the last axis, ascending, and their positions (``lax.top_k`` of ``-d2``)."""
     neg, pick = lax.top_k(-d2, kk)
     return -neg, pick
-
-
-def _threshold(d2: jax.Array, kk: int) -> tuple[jax.Array, jax.Array]:
-    """Per row of ``d2 (R, C)``: a value ``t`` with at least ``kk`` entries ``<= t`` where the row has ``kk`` finite
-    entries (else its largest finite entry), and the number of entries ``<= t``.
-
-    The first pass counts the entries under ``max * 2**(j - 16)`` for ``j = 1..16``; the second splits the bin
-    holding the ``kk``-th entry into 16 equal parts. For near-uniform points a bin then holds a few entries, so
-    ``t`` passes the ``kk``-th entry by a few.
-    """
-    dtype = d2.dtype
-    top = jnp.max(jnp.where(jnp.isfinite(d2), d2, -jnp.inf), axis=1)
-    top = jnp.where(jnp.isfinite(top), top, jnp.asarray(0, dtype))  # no finite entry: nothing is kept below
-
-    def counts(edges: jax.Array) -> jax.Array:  # (R, B) entries <= each edge
-        # The bins last: on one H200 (1e7 points, k=30) kNN ran 416 ms this way, 471 ms with the comparison laid
-        # out `(R, B, C)` and 432 ms as one reduction per bin.
-        return jnp.sum(d2[:, :, None] <= edges[:, None, :], axis=1, dtype=jnp.int32)
-
-    def first_reaching(edges: jax.Array, n: jax.Array) -> tuple[jax.Array, jax.Array]:
-        j = jnp.argmax(n >= kk, axis=1)[:, None]
-        return j[:, 0], jnp.take_along_axis(edges, j, axis=1)[:, 0]
-
-    scale = jnp.asarray(2.0, dtype) ** jnp.arange(1 - _SELECT_BINS, 1, dtype=dtype)
-    edges = top[:, None] * scale[None, :]
-    edges = edges.at[:, -1].set(top)
-    n1 = counts(edges)
-    j, upper = first_reaching(edges, n1)
-    lower = jnp.where(j > 0, jnp.take_along_axis(edges, jnp.maximum(j - 1, 0)[:, None], axis=1)[:, 0], 0)
-    frac = jnp.arange(1, _SELECT_BINS + 1, dtype=dtype) / _SELECT_BINS
-    edges = lower[:, None] + (upper - lower)[:, None] * frac[None, :]
-    edges = edges.at[:, -1].set(upper)
-    n2 = counts(edges)
-    i, limit = first_reaching(edges, n2)
-    enough = n1[:, -1] >= kk
-    limit = jnp.where(enough, limit, top)
-    count = jnp.where(enough, jnp.take_along_axis(n2, i[:, None], axis=1)[:, 0], n1[:, -1])
-    return limit, count
 
 
 def positions_of(mask: jax.Array, size: int, fill: jax.Array | int) -> jax.Array:
@@ -317,27 +324,36 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, *, doma
 
         d2 = pair_dist2(qp, dpos[drow], domain)
         d2 = jnp.where(cvalid[:, None, :], d2, inf)
-        # Only rows that can be certified need the exact selection (the others keep real candidates).
+
+        margin = axis_margin(qp[..., 0], (x0 - reach)[:, None], (x1 + reach)[:, None], 0, domain, grid)
+        for axis in range(1, dim):
+            c = first[:, axis, None]
+            margin = jnp.minimum(margin, axis_margin(qp[..., axis], c - reach, c + reach, axis, domain, grid))
+        # Only rows that can be certified need the exact selection (the others keep real candidates), and only
+        # within their margin: a k-th neighbour beyond it certifies nothing. Where nothing lies beyond the searched
+        # cells (a small grid), their width bounds the candidates' distances. (Any bound keeps the answers exact:
+        # a row is only certified with its k nearest within it.)
         exact = qvalid & ~truncated[:, None]
-        best, pick = smallest(d2, kk, select=tiles.select, width=tiles.select_width, exact=exact)
+        width2 = _searched_width2(x1 - x0, reach, domain, grid)[:, None]
+        bound = jnp.where(margin > 0, jnp.where(jnp.isfinite(margin), margin * margin, width2), -1)
+        sel = smallest(d2, kk, select=tiles.select, width=tiles.select_width, bound=bound, exact=exact)
+        best, pick = sel.best, sel.pick
         kth = best[..., k - 1]
         if order is None:
             distinct = kth < best[..., k]
         else:
-            best, pick = _boundary_ties(d2, order[dperm[drow]], best, pick, k, exact)
+            best, pick = _boundary_ties(d2, order[dperm[drow]], best, pick, k, exact & sel.ok)
             distinct = jnp.ones_like(exact)
         # The whole (k + 1)-wide pick, sliced after the gather: gathering with a slice of it ran XLA:CPU's first
         # pass 12x slower (2e5 points, k=9: 0.6 -> 7.6 s).
         rows = jnp.take_along_axis(drow, pick.reshape(batch, block * kk), axis=1).reshape(pick.shape)[..., :k]
         best = best[..., :k]
 
-        margin = axis_margin(qp[..., 0], (x0 - reach)[:, None], (x1 + reach)[:, None], 0, domain, grid)
-        for axis in range(1, dim):
-            c = first[:, axis, None]
-            margin = jnp.minimum(margin, axis_margin(qp[..., axis], c - reach, c + reach, axis, domain, grid))
         # With ties resolved here every point at the k-th distance must lie inside: the margin is strict.
         within = (kth <= margin * margin) if order is None else (kth < margin * margin)
-        ok = qvalid & ~truncated[:, None] & distinct & (margin > 0) & within
+        ok = exact & sel.ok & distinct & (margin > 0) & within
+        # A row whose selection met too many close entries fails like an overflowing run (a finer grid suits it).
+        truncated = truncated[:, None] | (exact & sel.dense)
 
         # Written straight to the input order: no sorted-order copy of the results.
         target = jnp.where(qvalid, qperm[qi], m)
@@ -345,8 +361,7 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, *, doma
         return _Answers(dist2=out.dist2.at[answer].set(best, mode="drop"),
                         rows=out.rows.at[answer].set(dperm[rows], mode="drop"),
                         certified=out.certified.at[target].set(ok, mode="drop"),
-                        truncated=out.truncated.at[target].set(jnp.broadcast_to(truncated[:, None], qvalid.shape),
-                                                               mode="drop"))
+                        truncated=out.truncated.at[target].set(truncated, mode="drop"))
 
     dist2, rows = (jnp.full((m, k), jnp.inf, dtype), jnp.zeros((m, k), jnp.int32)) if into is None else into
     init = _Answers(dist2, rows, certified=jnp.zeros((m,), bool), truncated=jnp.zeros((m,), bool))
