@@ -16,7 +16,7 @@ import shardax as sx
 from conftest import USER_COMPILER_OPTIONS, make_mesh
 from shardax.spatial import KnnTuning, knn
 from shardax.spatial._knn_local import local_knn_steps
-from shardax.spatial._knn_pass import smallest
+from shardax.spatial._knn_pass import _kept_before, smallest
 
 
 def ref_knn(pos: np.ndarray, k: int, box: float | tuple | None, query: np.ndarray | None = None):
@@ -419,6 +419,16 @@ def test_threshold_selection_is_top_k() -> None:
     np.testing.assert_array_equal(np.asarray(got.dense), [True, False, False])
     np.testing.assert_array_equal(np.asarray(got.best)[0], np.full(5, 0.25, np.float32))
     np.testing.assert_array_equal(np.asarray(got.best)[2], np.sort(x[2])[:5])
+
+
+def test_kept_before_is_an_exclusive_prefix_sum() -> None:
+    """The packing's ranks (matrix products of 0/1 values) equal NumPy's prefix sums, on short rows, rows that end
+    inside a group, and full rows as long as a compacted pass's (every entry kept)."""
+    rng = np.random.default_rng(23)
+    count = jax.jit(_kept_before)
+    for shape, p in (((4, 1), 0.5), ((3, 7), 0.5), ((37, 211), 0.3), ((9, 768), 0.05), ((2, 4608), 1.0)):
+        keep = rng.random(shape) < p
+        np.testing.assert_array_equal(np.asarray(count(jnp.asarray(keep))), np.cumsum(keep, axis=1) - keep)
 
 
 @pytest.mark.parametrize("preset", ["cpu", "gpu"])

@@ -131,7 +131,7 @@ def smallest(d2: jax.Array, kk: int, *, select: str, width: int, bound: jax.Arra
     limit = jnp.where(ok, limit, jnp.finfo(dtype).max)
 
     keep = flat <= limit[:, None]
-    rank = jnp.cumsum(keep, axis=1, dtype=jnp.int32) - 1
+    rank = _kept_before(keep)
     slot = jnp.arange(rows, dtype=jnp.int32)[:, None] * width + rank
     # Entries left out go past the end, each to a slot of its own while that fits int32: every index is then
     # distinct and the scatter needs no atomics.
@@ -178,6 +178,30 @@ def _boundary_ties(d2: jax.Array, cand_order: jax.Array, best: jax.Array, pick: 
                 jnp.concatenate([pick, args[1][..., k:]], axis=-1))
 
     return lax.cond(jnp.any(tied), by_rank, lambda args: args, (best, pick))
+
+
+# Positions per group of the kept-entry count (:func:`_kept_before`).
+_RANK_GROUP = 32
+
+
+def _kept_before(keep: jax.Array) -> jax.Array:
+    """`(R, C)` int32: the true entries of ``keep (R, C)`` before each position of its row (an exclusive prefix
+    sum), as two matrix products of 0/1 values: within groups of 32 positions, then over the groups' totals.
+
+    Exact (bfloat16 holds 0 and 1, the sums are accumulated in float32 and stay below 2**24). A GPU runs the
+    products on its matrix units; ``jnp.cumsum`` of the same rows became a windowed reduction that read each
+    entry many times (on one H100, 1e7 points, k=30: 60 of kNN's 230 ms).
+    """
+    rows, c = keep.shape
+    size = min(_RANK_GROUP, c)
+    groups = -(-c // size)
+    x = jnp.pad(keep, ((0, 0), (0, groups * size - c))).astype(jnp.bfloat16).reshape(rows, groups, size)
+    before = (jnp.arange(size)[:, None] < jnp.arange(size)[None, :]).astype(jnp.bfloat16)
+    within = jnp.einsum("rgj,ji->rgi", x, before, preferred_element_type=jnp.float32)
+    totals = jnp.sum(x, axis=2, dtype=jnp.float32)
+    earlier = (jnp.arange(groups)[:, None] < jnp.arange(groups)[None, :]).astype(jnp.float32)
+    offsets = jnp.einsum("rh,hg->rg", totals, earlier, precision=lax.Precision.HIGHEST)
+    return (within + offsets[:, :, None]).reshape(rows, groups * size)[:, :c].astype(jnp.int32)
 
 
 def _searched_width2(span: jax.Array, reach: int, domain: Domain, grid: Grid) -> jax.Array:
