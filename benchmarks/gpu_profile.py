@@ -9,6 +9,7 @@ device spent idle: launch gaps and the host's checks of ``while`` loop condition
     PYTHONPATH=src python benchmarks/gpu_profile.py --quick                            # tiny sizes, any backend
     PYTHONPATH=src python benchmarks/gpu_profile.py --only knn_1e7 --knn-variants "block=4;block=4,per_cell=10"
                                                                         # kNN tunings side by side
+    PYTHONPATH=src python benchmarks/gpu_profile.py --only knn_1e7 --hlo hlo    # and its compiled program
 
 Cases: ``knn_1e6`` (k=9), ``knn_1e7`` (k=30), ``knn_blobs`` (1e6 points in 64 Gaussian blobs over a 20%
 uniform background, k=9, as ``benchmarks/knn.py``'s), ``fof_1e7`` (b=0.2), ``fields`` (paint and readout of 1e7
@@ -148,7 +149,7 @@ def _variants(spec: str) -> dict[str, dict[str, Any]]:
 
 
 def _knn_case(n: int, k: int, repeat: int, top: int, variants: str, other_select: bool,
-              data: str = "uniform") -> dict[str, Any]:
+              data: str = "uniform", hlo_out: str = "") -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     from knn import make_points  # benchmarks/knn.py's points (uniform, or 64 blobs over a uniform background)
@@ -169,7 +170,13 @@ def _knn_case(n: int, k: int, repeat: int, top: int, variants: str, other_select
     base = run(None)
     first, median, ref = timed(base, repeat)
     base_median = median
-    out["default"] = {"first_s": first, "median_s": median, "profile": _profile(base, top, hlo(None))}
+    text = hlo(None)
+    if hlo_out:  # the compiled program, to read what each fused operation of the profile holds
+        import gzip
+
+        with gzip.open(hlo_out, "wt") as f:
+            f.write(text)
+    out["default"] = {"first_s": first, "median_s": median, "profile": _profile(base, top, text)}
     # The other selection method beside the backend's default (threshold on a GPU, top_k on CPU).
     default = KnnTuning(preset="cpu" if jax.default_backend() == "cpu" else "gpu")
     other = dataclasses.replace(default, select="threshold" if jax.default_backend() == "cpu" else "top_k")
@@ -290,6 +297,7 @@ def main() -> int:
     parser.add_argument("--no-other-select", action="store_true",
                         help="do not time kNN with the other selection method")
     parser.add_argument("--top", type=int, default=15, help="operations listed per case")
+    parser.add_argument("--hlo", default="", help="write each kNN case's compiled program to DIR/CASE.hlo.gz")
     parser.add_argument("--no-command-buffers", action="store_true",
                         help="launch every kernel on its own (XLA's GPU command buffers hide the operations)")
     args = parser.parse_args()
@@ -298,11 +306,19 @@ def main() -> int:
     big = 5000 if args.quick else 10**7
     small = 3000 if args.quick else 10**6
     repeat = 2 if args.quick else 3
+    if args.hlo:
+        os.makedirs(args.hlo, exist_ok=True)
+
+    def hlo_path(case: str) -> str:
+        return os.path.join(args.hlo, f"{case}.hlo.gz") if args.hlo else ""
+
     cases: dict[str, Callable[[], dict[str, Any]]] = {
-        "knn_1e6": lambda: _knn_case(small, 9, repeat, args.top, args.knn_variants, not args.no_other_select),
-        "knn_1e7": lambda: _knn_case(big, 30, repeat, args.top, args.knn_variants, not args.no_other_select),
+        "knn_1e6": lambda: _knn_case(small, 9, repeat, args.top, args.knn_variants, not args.no_other_select,
+                                     hlo_out=hlo_path("knn_1e6")),
+        "knn_1e7": lambda: _knn_case(big, 30, repeat, args.top, args.knn_variants, not args.no_other_select,
+                                     hlo_out=hlo_path("knn_1e7")),
         "knn_blobs": lambda: _knn_case(small, 9, repeat, args.top, args.knn_variants, not args.no_other_select,
-                                       data="blobs"),
+                                       data="blobs", hlo_out=hlo_path("knn_blobs")),
         "fof_1e7": lambda: _fof_case(big, repeat, args.top),
         "fields": lambda: _fields_case(big, 16 if args.quick else 256, repeat, args.top),
         "topk": lambda: _topk_case(2000 if args.quick else 10**6, args.quick, repeat),
