@@ -54,9 +54,10 @@ class KnnTuning:
         slot_search: ``jnp.searchsorted``'s method for the run of each candidate slot among a block's runs
             (``"compare_all"`` compares every slot with every run; ``"scan_unrolled"`` needs memory per slot only).
         select: how each query picks its ``k + 1`` nearest candidates from a tile: ``"top_k"`` (``lax.top_k`` over
-            every candidate; a GPU sorts the whole row) or ``"threshold"`` (two counting passes find a distance
-            that at least ``k + 1`` candidates reach, the candidates within it are packed into ``select_width``
-            slots, and ``lax.top_k`` runs over those; a step where some row has more goes the ``"top_k"`` way).
+            every candidate; a GPU sorts the whole row) or ``"threshold"`` (one counting pass finds the edge below
+            the query's margin that at least ``k + 1`` candidates reach, the candidates within it are packed into
+            ``select_width`` slots, and ``lax.top_k`` runs over those; a query whose edge holds more is left for a
+            later pass).
         select_width: slots per query of the ``"threshold"`` selection (default ``max(2 (k + 1), k + 17)``, in
             multiples of 8).
 
