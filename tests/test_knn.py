@@ -421,6 +421,46 @@ def test_threshold_selection_is_top_k() -> None:
     np.testing.assert_array_equal(np.asarray(got.best)[2], np.sort(x[2])[:5])
 
 
+def test_union_selection_is_the_threshold_selection() -> None:
+    """The block-level packing of `select="union"` answers every row the per-row one answers, with the same values
+    and positions; a block whose rows keep more than its slots leaves them unanswered (dense), with real entries."""
+    rng = np.random.default_rng(24)
+    run = jax.jit(smallest, static_argnames=("kk", "select", "width"))
+    for kk, width, spread in ((10, 32, 1.0), (31, 64, 1.0), (10, 32, 40.0), (10, 16, 1.0)):
+        # Blocks of 8 rows sharing 300 candidates (as kNN's tiles: rows of a block see the same points).
+        pts = rng.random((13, 300, 3)).astype(np.float32)
+        q = (0.5 + (rng.random((13, 8, 3)) - 0.5) / spread).astype(np.float32)
+        d2 = ((q[:, :, None, :] - pts[:, None, :, :]) ** 2).sum(-1).astype(np.float32)
+        d2[:, :, 250:] = np.inf  # padding slots
+        d2[0, :, :40] = 0.01  # a block of many equal distances
+        bound = np.sort(d2, axis=2)[:, :, 3 * kk]
+        exact = rng.random((13, 8)) < 0.9
+        args = dict(kk=kk, width=width, bound=jnp.asarray(bound), exact=jnp.asarray(exact))
+        per_row = run(jnp.asarray(d2), select="threshold", **args)
+        union = run(jnp.asarray(d2), select="union", **args)
+        ok, row_ok = np.asarray(union.ok), np.asarray(per_row.ok)
+        assert not np.any(ok & ~row_ok)
+        np.testing.assert_array_equal(np.asarray(union.best)[ok], np.asarray(per_row.best)[ok])
+        np.testing.assert_array_equal(np.asarray(union.pick)[ok], np.asarray(per_row.pick)[ok])
+        lost = row_ok & ~ok
+        assert np.all(np.asarray(union.dense)[lost]), "a block over its slots leaves its rows dense"
+        # Only the spread rows of the 64-slot blocks keep more than their block's slots.
+        assert lost.any() if width == 16 else not lost.any()
+        values, pick = np.asarray(union.best), np.asarray(union.pick)
+        real = np.isfinite(values)
+        np.testing.assert_array_equal(np.take_along_axis(d2, pick, axis=2)[real], values[real])
+        assert np.all(real[~ok][:, :kk - 1]), "rows left unanswered keep real entries"
+    # Whole searches: clustered open data and tied lattice points, the same integers as the CPU preset.
+    make, box = CASES["blobs-open"]
+    pos = make(np.random.default_rng(1))
+    union = knn(jnp.asarray(pos), 9, box=box, tuning=KnnTuning(preset="gpu", select="union"))
+    np.testing.assert_array_equal(np.asarray(union.indices), np.asarray(knn(jnp.asarray(pos), 9, box=box).indices))
+    g = np.arange(6, dtype=np.float32)
+    lattice = np.stack(np.meshgrid(g, g, g, indexing="ij"), -1).reshape(-1, 3)
+    res = knn(jnp.asarray(lattice), 27, box=6.0, tuning=KnnTuning(preset="gpu", select="union", select_width=32))
+    np.testing.assert_array_equal(np.asarray(res.indices), exact_ref(lattice.astype(np.float64), 27, 6.0)[1])
+
+
 def test_kept_before_is_an_exclusive_prefix_sum() -> None:
     """The packing's ranks (matrix products of 0/1 values) equal NumPy's prefix sums, on short rows, rows that end
     inside a group, and full rows as long as a compacted pass's (every entry kept)."""

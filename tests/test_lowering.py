@@ -85,6 +85,8 @@ def test_particle_kernels(mesh: Mesh) -> None:
     part = _particles(mesh)
     kernels = {"zsort.smap": lambda p: sx.particles.zsort.smap(mesh)(p, box=1.0),
                "knn.smap": lambda p: sx.spatial.knn.smap(mesh)(p, 4, box=1.0, tuning="gpu"),
+               "knn.smap union": lambda p: sx.spatial.knn.smap(mesh)(
+                   p, 4, box=1.0, tuning=sx.spatial.KnnTuning(preset="gpu", select="union")),
                "fof.smap": lambda p: sx.spatial.fof.smap(mesh)(p, 0.05, box=1.0, min_members=2, tuning="gpu")}
     for name, fn in kernels.items():
         _exchanges_only_on_a_mesh(mesh, _collectives(fn, part), name)

@@ -102,6 +102,11 @@ def smallest(d2: jax.Array, kk: int, *, select: str, width: int, bound: jax.Arra
     entries (many equal or very close values: ``dense``), or when it is not ``exact`` (shape ``d2.shape[:-1]``;
     padding queries, overflowing candidate runs). Every row that is not ``ok`` gets ``kk`` of its finite entries
     in position order among its first ``width`` ones (real candidates, or ``inf`` where a row has fewer).
+
+    ``select="union"`` (``d2`` of shape `(B, Q, C)`: blocks of queries sharing their candidates): as
+    ``"threshold"``, but the positions any row of a block keeps are first packed once per block into ``4 width``
+    slots, and each row packs its own from those: the per-row work runs over ``4 width`` entries instead of ``C``.
+    A block whose rows keep more is not ``ok`` (``dense``) and keeps its first ones.
     """
     c = d2.shape[-1]
     lead = d2.shape[:-1]
@@ -110,7 +115,6 @@ def smallest(d2: jax.Array, kk: int, *, select: str, width: int, bound: jax.Arra
         ok = jnp.ones(lead, bool)
         return Selected(best, pick, ok, ~ok)
     flat = d2.reshape(-1, c)
-    rows = flat.shape[0]
     dtype = d2.dtype
     top = bound.reshape(-1).astype(dtype)
     scale = jnp.asarray(2.0, dtype) ** (jnp.arange(1 - _SELECT_EDGES, 1, dtype=dtype) / _SELECT_STEP)
@@ -127,9 +131,21 @@ def smallest(d2: jax.Array, kk: int, *, select: str, width: int, bound: jax.Arra
     ok = enough & fits & (top >= 0)
     if exact is not None:
         ok = ok & exact.reshape(-1)
+    dense = enough & ~fits
+    if select == "union" and len(lead) == 2 and 4 * width < c:
+        best, pick, ok, dense = _union_pack(d2, limit.reshape(lead), ok.reshape(lead), dense.reshape(lead), kk,
+                                            width)
+        return Selected(best, pick, ok, dense)
     # The other rows keep their first finite entries (a row's finite entries never exceed the largest float).
-    limit = jnp.where(ok, limit, jnp.finfo(dtype).max)
+    best, pick = _pack(flat, jnp.where(ok, limit, jnp.finfo(dtype).max), kk, width)
+    return Selected(best.reshape(*lead, kk), pick.reshape(*lead, kk), ok.reshape(lead), dense.reshape(lead))
 
+
+def _pack(flat: jax.Array, limit: jax.Array, kk: int, width: int) -> tuple[jax.Array, jax.Array]:
+    """The ``kk`` smallest of each row of ``flat (R, C)`` among its first ``width`` entries ``<= limit (R,)`` (in
+    position order), ascending, and their positions: the entries are packed into ``width`` slots by a scatter, and
+    ``lax.top_k`` runs over those."""
+    rows, c = flat.shape
     keep = flat <= limit[:, None]
     rank = _kept_before(keep)
     slot = jnp.arange(rows, dtype=jnp.int32)[:, None] * width + rank
@@ -146,9 +162,37 @@ def smallest(d2: jax.Array, kk: int, *, select: str, width: int, bound: jax.Arra
     best, pick = _top_k(values, kk)
     # A row with fewer than kk kept entries fills its tail with +inf; lax.top_k over the whole row would name the
     # first infinite positions, which these are not: they are only read through empty slots.
-    pick = jnp.minimum(jnp.take_along_axis(where, pick, axis=1), c - 1)
-    dense = enough & ~fits
-    return Selected(best.reshape(*lead, kk), pick.reshape(*lead, kk), ok.reshape(lead), dense.reshape(lead))
+    return best, jnp.minimum(jnp.take_along_axis(where, pick, axis=1), c - 1)
+
+
+def _union_pack(d2: jax.Array, limit: jax.Array, ok: jax.Array, dense: jax.Array, kk: int,
+                width: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``select="union"`` of :func:`smallest` after its counting pass: ``d2 (B, Q, C)``, the rows' ``limit``,
+    ``ok`` and ``dense`` `(B, Q)`."""
+    blocks, queries, c = d2.shape
+    union = 4 * width
+    # Every position an exact row keeps; a block with rows that are not exact also keeps its first `width`
+    # positions, so those rows get real candidates (the valid candidates come first).
+    keep = jnp.any((d2 <= limit[..., None]) & ok[..., None], axis=1)
+    keep = keep | (jnp.any(~ok, axis=1)[:, None] & (jnp.arange(c) < width)[None, :])
+    fits = jnp.sum(keep, axis=1, dtype=jnp.int32) <= union
+    rank = _kept_before(keep)
+    slot = jnp.arange(blocks, dtype=jnp.int32)[:, None] * union + rank
+    distinct = blocks * (union + c) < 2**31
+    past = blocks * union + (jnp.arange(blocks * c, dtype=jnp.int32).reshape(blocks, c) if distinct else 0)
+    slot = jnp.where(keep & (rank < union), slot, past)
+    where = jnp.full((blocks * union,), c, jnp.int32).at[slot.reshape(-1)].set(
+        jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), keep.shape).reshape(-1), mode="drop",
+        unique_indices=distinct).reshape(blocks, union)
+    gathered = jnp.take_along_axis(d2, jnp.minimum(where, c - 1)[:, None, :], axis=2)
+    gathered = jnp.where((where < c)[:, None, :], gathered, jnp.inf)
+    # A block whose rows keep more than `union` positions: its rows are not ok (dense) and keep their first entries.
+    dense = dense | (ok & ~fits[:, None])
+    ok = ok & fits[:, None]
+    rows_limit = jnp.where(ok, limit, jnp.finfo(d2.dtype).max).reshape(-1)
+    best, pick = _pack(gathered.reshape(-1, union), rows_limit, kk, width)
+    pick = jnp.take_along_axis(jnp.minimum(where, c - 1), pick.reshape(blocks, queries * kk), axis=1)
+    return best.reshape(blocks, queries, kk), pick.reshape(blocks, queries, kk), ok, dense
 
 
 def _boundary_ties(d2: jax.Array, cand_order: jax.Array, best: jax.Array, pick: jax.Array, k: int,

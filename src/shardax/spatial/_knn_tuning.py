@@ -17,7 +17,7 @@ from typing import Any, Literal, NamedTuple
 from .._tuning import resolve_tuning, step_bytes
 
 SearchMethod = Literal["scan", "scan_unrolled", "sort", "compare_all"]
-SelectMethod = Literal["top_k", "threshold"]
+SelectMethod = Literal["top_k", "threshold", "union"]
 
 # GPU preset: sequential steps of the first pass over uniform data, and the least work a step carries.
 _GPU_FIRST_STEPS = 16
@@ -54,10 +54,12 @@ class KnnTuning:
         slot_search: ``jnp.searchsorted``'s method for the run of each candidate slot among a block's runs
             (``"compare_all"`` compares every slot with every run; ``"scan_unrolled"`` needs memory per slot only).
         select: how each query picks its ``k + 1`` nearest candidates from a tile: ``"top_k"`` (``lax.top_k`` over
-            every candidate; a GPU sorts the whole row) or ``"threshold"`` (one counting pass finds the edge below
+            every candidate; a GPU sorts the whole row), ``"threshold"`` (one counting pass finds the edge below
             the query's margin that at least ``k + 1`` candidates reach, the candidates within it are packed into
             ``select_width`` slots, and ``lax.top_k`` runs over those; a query whose edge holds more is left for a
-            later pass).
+            later pass) or ``"union"`` (as ``"threshold"``, the candidates any query of a block keeps packed once
+            per block into ``4 select_width`` slots first, so each query packs from those instead of from every
+            candidate).
         select_width: slots per query of the ``"threshold"`` selection (default ``max(2 (k + 1), k + 17)``, in
             multiples of 8).
 
@@ -100,8 +102,8 @@ class KnnTuning:
             if getattr(self, name) not in (None, "scan", "scan_unrolled", "sort", "compare_all"):
                 raise ValueError(f"KnnTuning: {name} must be None or a jnp.searchsorted method, got "
                                  f"{getattr(self, name)!r}")
-        if self.select not in (None, "top_k", "threshold"):
-            raise ValueError(f"KnnTuning: select must be None, 'top_k' or 'threshold', got {self.select!r}")
+        if self.select not in (None, "top_k", "threshold", "union"):
+            raise ValueError(f"KnnTuning: select must be None, 'top_k', 'threshold' or 'union', got {self.select!r}")
 
 
 PRESETS = {"cpu": KnnTuning(preset="cpu"), "gpu": KnnTuning(preset="gpu")}
