@@ -137,13 +137,22 @@ def _particles(host: np.ndarray) -> Any:
 
 
 def _variants(spec: str) -> dict[str, dict[str, Any]]:
-    """``"block=4;block=4,per_cell=10"`` as ``{"block=4": {"block": 4}, ...}`` (ints where the value is one)."""
+    """``"block=4;block=4,per_cell=10;select=union"`` as ``{"block=4": {"block": 4}, ...}`` (ints and floats where
+    the value is one, else the text)."""
+    def parsed(value: str) -> Any:
+        if value.lstrip("-").isdigit():
+            return int(value)
+        try:
+            return float(value)
+        except ValueError:
+            return value
+
     out: dict[str, dict[str, Any]] = {}
     for variant in filter(None, (v.strip() for v in spec.split(";"))):
         fields = {}
         for item in variant.split(","):
             name, value = (x.strip() for x in item.split("="))
-            fields[name] = int(value) if value.lstrip("-").isdigit() else float(value)
+            fields[name] = parsed(value)
         out[variant] = fields
     return out
 
