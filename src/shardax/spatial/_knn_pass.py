@@ -143,26 +143,31 @@ def smallest(d2: jax.Array, kk: int, *, select: str, width: int, bound: jax.Arra
 
 def _pack(flat: jax.Array, limit: jax.Array, kk: int, width: int) -> tuple[jax.Array, jax.Array]:
     """The ``kk`` smallest of each row of ``flat (R, C)`` among its first ``width`` entries ``<= limit (R,)`` (in
-    position order), ascending, and their positions: the entries are packed into ``width`` slots by a scatter, and
-    ``lax.top_k`` runs over those."""
-    rows, c = flat.shape
-    keep = flat <= limit[:, None]
-    rank = _kept_before(keep)
-    slot = jnp.arange(rows, dtype=jnp.int32)[:, None] * width + rank
-    # Entries left out go past the end, each to a slot of its own while that fits int32: every index is then
-    # distinct and the scatter needs no atomics.
-    distinct = rows * (width + c) < 2**31
-    past = rows * width + (jnp.arange(rows * c, dtype=jnp.int32).reshape(rows, c) if distinct else 0)
-    slot = jnp.where(keep & (rank < width), slot, past)
-    # Position c marks an empty slot; it reads as +inf, after every kept (finite) entry.
-    where = jnp.full((rows * width,), c, jnp.int32).at[slot.reshape(-1)].set(
-        jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), flat.shape).reshape(-1), mode="drop",
-        unique_indices=distinct).reshape(rows, width)
+    position order), ascending, and their positions: the entries are packed into ``width`` slots
+    (:func:`_compact`), and ``lax.top_k`` runs over those."""
+    c = flat.shape[1]
+    where = _compact(flat <= limit[:, None], width)
     values = jnp.where(where < c, jnp.take_along_axis(flat, jnp.minimum(where, c - 1), axis=1), jnp.inf)
     best, pick = _top_k(values, kk)
     # A row with fewer than kk kept entries fills its tail with +inf; lax.top_k over the whole row would name the
     # first infinite positions, which these are not: they are only read through empty slots.
     return best, jnp.minimum(jnp.take_along_axis(where, pick, axis=1), c - 1)
+
+
+def _compact(keep: jax.Array, size: int) -> jax.Array:
+    """`(R, size)` int32: the positions of the first ``size`` true entries of each row of ``keep (R, C)``, in order,
+    then ``C`` (empty slots), by one scatter."""
+    rows, c = keep.shape
+    rank = _kept_before(keep)
+    slot = jnp.arange(rows, dtype=jnp.int32)[:, None] * size + rank
+    # Entries left out go past the end, each to a slot of its own while that fits int32: every index is then
+    # distinct and the scatter needs no atomics.
+    distinct = rows * (size + c) < 2**31
+    past = rows * size + (jnp.arange(rows * c, dtype=jnp.int32).reshape(rows, c) if distinct else 0)
+    slot = jnp.where(keep & (rank < size), slot, past)
+    return jnp.full((rows * size,), c, jnp.int32).at[slot.reshape(-1)].set(
+        jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), keep.shape).reshape(-1), mode="drop",
+        unique_indices=distinct).reshape(rows, size)
 
 
 def _union_pack(d2: jax.Array, limit: jax.Array, ok: jax.Array, dense: jax.Array, kk: int,
@@ -176,14 +181,7 @@ def _union_pack(d2: jax.Array, limit: jax.Array, ok: jax.Array, dense: jax.Array
     keep = jnp.any((d2 <= limit[..., None]) & ok[..., None], axis=1)
     keep = keep | (jnp.any(~ok, axis=1)[:, None] & (jnp.arange(c) < width)[None, :])
     fits = jnp.sum(keep, axis=1, dtype=jnp.int32) <= union
-    rank = _kept_before(keep)
-    slot = jnp.arange(blocks, dtype=jnp.int32)[:, None] * union + rank
-    distinct = blocks * (union + c) < 2**31
-    past = blocks * union + (jnp.arange(blocks * c, dtype=jnp.int32).reshape(blocks, c) if distinct else 0)
-    slot = jnp.where(keep & (rank < union), slot, past)
-    where = jnp.full((blocks * union,), c, jnp.int32).at[slot.reshape(-1)].set(
-        jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), keep.shape).reshape(-1), mode="drop",
-        unique_indices=distinct).reshape(blocks, union)
+    where = _compact(keep, union)
     gathered = jnp.take_along_axis(d2, jnp.minimum(where, c - 1)[:, None, :], axis=2)
     gathered = jnp.where((where < c)[:, None, :], gathered, jnp.inf)
     # A block whose rows keep more than `union` positions: its rows are not ok (dense) and keep their first entries.
