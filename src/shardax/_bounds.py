@@ -127,6 +127,13 @@ def mapped_bounds(pos: jax.Array, num: Any) -> tuple[jax.Array, jax.Array]:
     return both[:pos.shape[-1]], -both[pos.shape[-1]:]
 
 
+def bounds_layout(pos: Any) -> tuple[tuple[int, Any], tuple[int, Any]]:
+    """The :func:`shardax._flags.unpack` layout of :func:`mapped_bounds`' two outputs (packed by the kernel) for
+    positions like ``pos``."""
+    entry = (int(jnp.shape(pos)[-1]), jnp.result_type(pos))
+    return entry, entry
+
+
 def mapped_checks(pos: jax.Array, num: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Inside a mapped kernel: the valid rows of ``pos (n, d)`` with a NaN or infinite coordinate (summed over every
     device) and :func:`mapped_bounds`, from one min/max pass over the positions when they are all finite.

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import _flags, comm
 from .._alltoallv import alltoallv_many, exchange_counts_and_max
-from .._bounds import check_bounds, check_part, mapped_checks
+from .._bounds import bounds_layout, check_bounds, check_part, mapped_checks
 from .._errors import CapacityError
 from .._exchange import default_chunk
 from .._pytree import check_count, check_positions, row_count
@@ -390,10 +390,10 @@ def _checks(local: Particles, needed: jax.Array) -> jax.Array:
     return _flags.pack(needed, *mapped_checks(local.pos, local.num))
 
 
-def _raise_errors(name: str, checks: jax.Array, dtype: Any, box: Any, capacity: int) -> None:
-    """The errors of a call of ``name`` from its :func:`_checks` (one transfer); the box first, as a box that does
-    not fit the data makes the other counts meaningless."""
-    needed, nonfinite, lower, upper = _flags.unpack(checks, 1, 1, (3, dtype), (3, dtype))
+def _raise_errors(name: str, checks: jax.Array, pos: Any, box: Any, capacity: int) -> None:
+    """The errors of a call of ``name`` on positions ``pos`` from its :func:`_checks` (one transfer); the box
+    first, as a box that does not fit the data makes the other counts meaningless."""
+    needed, nonfinite, lower, upper = _flags.unpack(checks, 1, 1, *bounds_layout(pos))
     check_bounds(lower, upper, box, name)
     _raise_nonfinite(name, int(nonfinite[0]))
     _raise_capacity(name, int(needed[0]), capacity)
@@ -446,7 +446,7 @@ def paint(part: Any, shape: Sequence[int], *, box: Any, mesh: Mesh | None = None
     backend = tuning_backend(the_mesh.devices)
     field, checks = _paint_fn(the_mesh, shape3, box_key, the_spec, capacity, backend)(_rows(part))
     if not _flags.is_traced(checks):  # (under an outer jit nothing can be checked)
-        _raise_errors("paint", checks, jnp.result_type(part.pos), box, capacity or part.pos.shape[1])
+        _raise_errors("paint", checks, part.pos, box, capacity or part.pos.shape[1])
     return field
 
 
@@ -491,5 +491,5 @@ def readout(field: jax.Array, part: Any, *, box: Any, mesh: Mesh | None = None, 
     backend = tuning_backend(the_mesh.devices)
     values, checks = _readout_fn(the_mesh, box_key, the_spec, capacity, backend)(field, _rows(part))
     if not _flags.is_traced(checks):
-        _raise_errors("readout", checks, jnp.result_type(part.pos), box, capacity or part.pos.shape[1])
+        _raise_errors("readout", checks, part.pos, box, capacity or part.pos.shape[1])
     return values

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .. import _flags, _zorder
-from .._bounds import check_bounds, check_part, mapped_bounds
+from .._bounds import bounds_layout, check_bounds, check_part, mapped_bounds
 from .._compile import particle_compiler_options
 from .._eager import is_concrete, run_compiled
 from .._errors import CapacityError
@@ -158,8 +158,7 @@ def _constructed(mesh: Mesh | None, jit: bool, donate: bool) -> Callable[..., An
             cache[key] = fn
         out_part, overflow, checks, dom = fn(leaves, None if static_box else box)
         if not _flags.is_traced(checks):
-            bounds = (jnp.shape(part.pos)[-1], jnp.result_type(part.pos))
-            spans = (bounds, bounds) if checks.shape[0] > 3 else ()
+            spans = bounds_layout(part.pos) if checks.shape[0] > 3 else ()
             words = _flags.unpack(checks, 1, 1, 1, *spans)  # one transfer
             any_overflow, needed, nonfinite = (int(w[0]) for w in words[:3])
             span = words[3:]

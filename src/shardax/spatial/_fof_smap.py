@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .. import _flags
-from .._bounds import check_bounds, mapped_bounds
+from .._bounds import bounds_layout, check_bounds, mapped_bounds
 from .._compile import particle_compiler_options
 from .._errors import CapacityError
 from .._pytree import check_count, pad_global, particle_set
@@ -145,8 +145,7 @@ def global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., F
             res, checks = compiled(treedef, static, sizes)(leaves)
             if _flags.is_traced(checks):
                 return res
-            bounds = (int(jnp.shape(pos)[-1]), jnp.result_type(pos))
-            words = _flags.unpack(checks, 1, len(Buffers._fields), 1, *((bounds, bounds) if box is not None else ()))
+            words = _flags.unpack(checks, 1, len(Buffers._fields), 1, *(bounds_layout(pos) if box is not None else ()))
             any_overflow, needed, bad, span = words[0][0], words[1], words[2][0], words[3:]  # one transfer
             _check_data(bad, span, box)
             if not int(any_overflow):

@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .. import _flags
-from .._bounds import check_bounds, check_local, mapped_bounds
+from .._bounds import bounds_layout, check_bounds, check_local, mapped_bounds
 from .._compile import particle_compiler_options
 from .._errors import CapacityError
 from .._morton import as_vector, given_box_values
@@ -362,10 +362,8 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
             cache[key] = fn
         result, zpart, checks = fn(part_leaves, query_leaves)
         if not _flags.is_traced(checks):
-            dtype = jnp.result_type(part.pos)
-            bounds = (int(jnp.shape(part.pos)[-1]), dtype)
-            spans = (bounds, bounds) if static_box is not None else ()
-            words = _flags.unpack(checks, 1, 1, 1, 1, 1, 1, (1, dtype), *spans)
+            spans = bounds_layout(part.pos) if static_box is not None else ()
+            words = _flags.unpack(checks, 1, 1, 1, 1, 1, 1, (1, jnp.result_type(part.pos)), *spans)
             ghost_overflow, ghost_needed, sort_overflow, sort_needed, total, nonfinite = (int(w[0]) for w in words[:6])
             extent, span = words[6][0], words[7:]  # one transfer
             if span:

@@ -182,14 +182,14 @@ def _union_pack(d2: jax.Array, limit: jax.Array, ok: jax.Array, dense: jax.Array
     keep = keep | (jnp.any(~ok, axis=1)[:, None] & (jnp.arange(c) < width)[None, :])
     fits = jnp.sum(keep, axis=1, dtype=jnp.int32) <= union
     where = _compact(keep, union)
-    gathered = jnp.take_along_axis(d2, jnp.minimum(where, c - 1)[:, None, :], axis=2)
-    gathered = jnp.where((where < c)[:, None, :], gathered, jnp.inf)
+    at = jnp.minimum(where, c - 1)
+    gathered = jnp.where((where < c)[:, None, :], jnp.take_along_axis(d2, at[:, None, :], axis=2), jnp.inf)
     # A block whose rows keep more than `union` positions: its rows are not ok (dense) and keep their first entries.
     dense = dense | (ok & ~fits[:, None])
     ok = ok & fits[:, None]
     rows_limit = jnp.where(ok, limit, jnp.finfo(d2.dtype).max).reshape(-1)
     best, pick = _pack(gathered.reshape(-1, union), rows_limit, kk, width)
-    pick = jnp.take_along_axis(jnp.minimum(where, c - 1), pick.reshape(blocks, queries * kk), axis=1)
+    pick = jnp.take_along_axis(at, pick.reshape(blocks, queries * kk), axis=1)
     return best.reshape(blocks, queries, kk), pick.reshape(blocks, queries, kk), ok, dense
 
 
