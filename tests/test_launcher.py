@@ -20,7 +20,7 @@ import pytest
 
 import shardax as sx
 from shardax.cli import launch, main
-from shardax.runtime._lines import MAX_LINE, Line, LineAssembler
+from shardax.runtime._lines import MAX_LINE, Line, LineAssembler, TaggedLines
 
 RANKS = str(Path(__file__).parent / "mp_bodies" / "ranks.py")
 CLI = [sys.executable, "-m", "shardax.cli"]
@@ -104,6 +104,23 @@ def test_lines_are_whole_and_gloo_reports_cut_out() -> None:
     assert a.feed(cafe[:-2]) == [] and a.feed(cafe[-2:]) == [Line("caf\u00e9")]
     assert a.feed(b"tail") == [] and a.close() == [Line("tail")] and a.close() == []
     assert a.feed(b"x" * (MAX_LINE + 1)) == [Line("x" * (MAX_LINE + 1))]
+
+
+def test_mpirun_pieces_are_joined_under_their_ranks() -> None:
+    # mpirun tags every piece it read, not every line: two ranks' unbuffered prints arrive in each other's pieces
+    # (the order a CI run saw), rank 1's with a gloo report inside; mpirun's own line follows a newline untagged.
+    report = GLOO.format(r=1).encode()
+    stream = (b"[1,0]<stdout>:X (8, 1000) from 0[1,1]<stdout>:X (8, 1000) from 1" + report + b"\n"
+              b"[1,1]<stdout>: total 42\n[1,0]<stdout>: total 42\n[1,1]<stdout>:out 0\n[1,1]<stdout>:tail"
+              b"\n\nPrimary job terminated normally\n[1,0]<stdout>:[not a tag] [1,")
+    want = [("1", Line(report.decode(), chatter=True)), ("1", Line("X (8, 1000) from 1 total 42")),
+            ("0", Line("X (8, 1000) from 0 total 42")), ("1", Line("out 0")), ("1", Line("tail")),
+            ("mpirun", Line("")), ("mpirun", Line("Primary job terminated normally"))]
+    for step in (1, 7, len(stream)):  # any pipe read boundary, tags cut in two included
+        t = TaggedLines("mpirun")
+        got = [item for i in range(0, len(stream), step) for item in t.feed(stream[i:i + step])]
+        assert got == want, step
+        assert t.close() == [("0", Line("[not a tag] [1,"))] and t.close() == []
 
 
 def test_tagged_output_streams_and_chatter(tmp_path: Path) -> None:

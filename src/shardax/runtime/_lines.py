@@ -34,6 +34,14 @@ class Line(NamedTuple):
     chatter: bool = False
 
 
+# Open MPI's ``--tag-output`` prefix, ``[jobid,rank]<stream>:``. mpirun writes one before every piece it read from a
+# rank's pipe and after every newline inside one, so pieces of the ranks' partial lines follow each other in its
+# output, each behind its own tag.
+_MPI_TAG = re.compile(rb"\[\d+,(\d+)\]<(?:stdout|stderr)>:")
+# What may be the start of a tag cut by a pipe read (held until the next read says).
+_MPI_TAG_START = re.compile(rb"\[\d*(?:,\d*(?:\](?:<[a-z]*>?)?)?)?\Z")
+
+
 def _decode(raw: bytes) -> str:
     return raw.decode("utf-8", errors="replace").rstrip("\r\n")
 
@@ -92,3 +100,59 @@ class LineAssembler:
         """The last line if the process ended without a newline (a partial line is given whole)."""
         raw, self._pending = self._pending, b""
         return [Line(_decode(raw), _is_chatter(raw))] if raw else []
+
+
+class TaggedLines:
+    """Bytes of ``mpirun --tag-output``'s pipe in, whole lines out under the rank their tags name.
+
+    mpirun tags each piece it read from a rank, not each line: a line one rank writes in pieces (an unbuffered
+    ``print``) arrives as tagged pieces between other ranks' pieces. Each rank gets its own
+    :class:`LineAssembler` here, so its pieces are joined again whatever landed between them; text after a newline
+    and before the next tag is mpirun's own (given under ``untagged``).
+
+    Example:
+        >>> t = TaggedLines("mpirun")
+        >>> got = t.feed(b"[1,0]<stdout>:a from 0[1,1]<stdout>:a from 1[1,1]<stdout>: end\\n"
+        ...              b"[1,0]<stdout>: end\\nbye\\n")
+        >>> [(label, line.text) for label, line in got]
+        [('1', 'a from 1 end'), ('0', 'a from 0 end'), ('mpirun', 'bye')]
+    """
+
+    def __init__(self, untagged: str) -> None:
+        self._untagged = untagged
+        self._label = untagged  # whose bytes these are until the next tag or newline
+        self._assemblers: dict[str, LineAssembler] = {}
+        self._pending = b""
+
+    def feed(self, data: bytes) -> list[tuple[str, Line]]:
+        """The lines that ``data`` completes, each with its rank (or ``untagged``)."""
+        buf, start, lines = self._pending + data, 0, []
+        for tag in _MPI_TAG.finditer(buf):
+            self._give(buf[start:tag.start()], lines)
+            self._label, start = tag.group(1).decode(), tag.end()
+        rest = buf[start:]
+        cut = rest.rfind(b"[")
+        if cut >= 0 and _MPI_TAG_START.match(rest, cut):
+            rest, self._pending = rest[:cut], rest[cut:]
+        else:
+            self._pending = b""
+        self._give(rest, lines)
+        return lines
+
+    def close(self) -> list[tuple[str, Line]]:
+        """Every rank's partial last line, given whole."""
+        lines: list[tuple[str, Line]] = []
+        self._give(self._pending, lines)
+        self._pending = b""
+        for label, assembler in self._assemblers.items():
+            lines += [(label, line) for line in assembler.close()]
+        return lines
+
+    def _give(self, data: bytes, lines: list[tuple[str, Line]]) -> None:
+        while data:
+            end = data.find(b"\n")
+            piece, data = (data, b"") if end < 0 else (data[:end + 1], data[end + 1:])
+            assembler = self._assemblers.setdefault(self._label, LineAssembler())
+            lines += [(self._label, line) for line in assembler.feed(piece)]
+            if end >= 0:
+                self._label = self._untagged

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO, Literal, Protocol
 
-from ._lines import Line, LineAssembler
+from ._lines import Line, LineAssembler, TaggedLines
 
 Stream = Literal["stdout", "stderr"]
 
@@ -138,8 +138,6 @@ class JobResult:
 _ERROR_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Interrupt): \S")
 # Errors that explain the other processes' failures too: their line goes first, whoever failed first.
 _EXPLAINS_OTHERS = ("ProgramMismatchError",)
-# Open MPI's --tag-output prefix, [jobid,rank]<stream>:, which mpirun also leaves inside lines it read in pieces.
-_MPI_TAG = re.compile(r"\[\d+,(\d+)\]<(?:stdout|stderr)>:")
 
 
 class _Errors:
@@ -195,16 +193,23 @@ def shell_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _pump(pipe: IO[bytes], emit: Callable[[Line], None]) -> None:
-    """Whole lines of ``pipe`` to ``emit`` as they complete, the last one when the process ends."""
-    assembler = LineAssembler()
+def _pump(pipe: IO[bytes], emit: Callable[[str, Line], None], label: str, tagged: bool) -> None:
+    """Whole lines of ``pipe`` to ``emit`` as they complete, the last ones when the process ends.
+
+    Lines are given under ``label``, or, ``tagged``, under the rank their ``mpirun --tag-output`` tags name.
+    """
+    assembler: LineAssembler | TaggedLines = TaggedLines(label) if tagged else LineAssembler()
     with pipe:
         fd = pipe.fileno()
         while chunk := os.read(fd, 1 << 16):
-            for line in assembler.feed(chunk):
-                emit(line)
-        for line in assembler.close():
-            emit(line)
+            for item in assembler.feed(chunk):
+                emit(*_labelled(label, item))
+        for item in assembler.close():
+            emit(*_labelled(label, item))
+
+
+def _labelled(label: str, item: Line | tuple[str, Line]) -> tuple[str, Line]:
+    return (label, item) if isinstance(item, Line) else item
 
 
 def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> None:
@@ -257,17 +262,12 @@ class _Job:
         self.readers: list[list[threading.Thread]] = []
         self.received: int | None = None
 
-    def emitter(self, spec: ProcessSpec, stream: Stream) -> Callable[[Line], None]:
-        def emit(line: Line) -> None:
-            label, text = spec.label, line.text
-            if spec.tagged:
-                tag = _MPI_TAG.match(text)
-                label = spec.label if tag is None else tag.group(1)
-                text = _MPI_TAG.sub("", text)
+    def emitter(self, stream: Stream) -> Callable[[str, Line], None]:
+        def emit(label: str, line: Line) -> None:
             if line.chatter and not self.verbose:
                 return
-            self.errors.see(label, stream, text)
-            self.sink.line(label, stream, text)
+            self.errors.see(label, stream, line.text)
+            self.sink.line(label, stream, line.text)
 
         return emit
 
@@ -282,7 +282,8 @@ class _Job:
             streams: tuple[tuple[IO[bytes] | None, Stream], ...] = ((proc.stdout, "stdout"), (proc.stderr, "stderr"))
             for pipe, stream in streams:
                 assert pipe is not None
-                t = threading.Thread(target=_pump, args=(pipe, self.emitter(spec, stream)), daemon=True)
+                t = threading.Thread(target=_pump, args=(pipe, self.emitter(stream), spec.label, spec.tagged),
+                                     daemon=True)
                 t.start()
                 threads.append(t)
             self.readers.append(threads)
