@@ -14,9 +14,12 @@ from scipy.spatial import cKDTree
 
 import shardax as sx
 from conftest import USER_COMPILER_OPTIONS, make_mesh
+from shardax._morton import periodic_box
 from shardax.spatial import KnnTuning, knn
+from shardax.spatial._knn_dist import _aligned_runs
 from shardax.spatial._knn_local import local_knn_steps
 from shardax.spatial._knn_pass import _kept_before, smallest
+from shardax.testing.reference import morton_keys
 
 
 def ref_knn(pos: np.ndarray, k: int, box: float | tuple | None, query: np.ndarray | None = None):
@@ -217,6 +220,44 @@ def test_ghost_capacity_overflow_raises() -> None:
     one = jitted(9, 1.0)(jnp.asarray(np.asarray(part.pos)[valid][order]))
     np.testing.assert_array_equal(i[valid][order], np.asarray(one.indices))
     np.testing.assert_array_equal(d[valid][order], np.asarray(one.distances))
+
+
+def test_runs_are_aligned_morton_blocks() -> None:
+    # The runs whose grown boxes decide the ghosts: the aligned Morton blocks of the finest level holding a
+    # device's rows in at most `chunks` blocks, numbered in order (checked against NumPy's 64-bit keys).
+    rng = np.random.default_rng(3)
+    box = periodic_box(1.0, 3, jnp.float32)
+    band = rng.random((500, 3), dtype=np.float32) * np.float32([1.0, 1.0, 0.01]) + np.float32([0, 0, 0.49])
+    for pos, num, chunks in [(rng.random((700, 3), dtype=np.float32), 700, 64),  # uniform
+                             (band, 480, 16),  # a thin slab across a top-level boundary, padding rows
+                             (np.full((9, 3), 0.25, np.float32), 9, 4),  # one key
+                             (rng.random((1, 3), dtype=np.float32), 1, 64)]:
+        keys = morton_keys(pos)
+        order = np.argsort(keys[:num], kind="stable")
+        pos = np.concatenate([pos[:num][order], pos[num:]])
+        got = np.asarray(_aligned_runs(jnp.asarray(pos), jnp.int32(num), box, chunks))
+        keys = np.sort(keys[:num])
+        shift = next(s for s in range(65) if len(np.unique(keys >> np.uint64(min(s, 63)))) <= chunks or s == 64)
+        want = np.unique(keys >> np.uint64(shift), return_inverse=True)[1] if shift < 64 else np.zeros(num, int)
+        np.testing.assert_array_equal(got[:num], want)
+        assert got.max() < chunks and np.all(np.diff(got) >= 0)
+
+
+def test_pieces_across_the_box_edge_and_wrapping_pieces() -> None:
+    # Each device grids its piece of the periodic box, open where it need not wrap: pieces across the box edge
+    # (a band around x = 0) and pieces spanning the box along x and y (a thin slab); the uniform case of
+    # test_mesh_matches_single_device has bounds that reach around the box (axes wrap by reach). Integers and
+    # distances as on one device.
+    mesh = make_mesh((8,))
+    rng = np.random.default_rng(12)
+    u = rng.random((1200, 3), dtype=np.float32)
+    band = np.mod(u * np.float32([0.2, 1, 1]) + np.float32([0.9, 0, 0]), np.float32(1))
+    slab = u * np.float32([1, 1, 0.02]) + np.float32([0, 0, 0.3])
+    for pos in (band, slab):
+        d, i = run_on_mesh(mesh, pos, 1.0, 9)
+        one = jitted(9, 1.0)(jnp.asarray(pos))
+        np.testing.assert_array_equal(i, np.asarray(one.indices))
+        np.testing.assert_array_equal(d, np.asarray(one.distances))
 
 
 def zsort_ids(mesh: Mesh, pos: np.ndarray, box: float | None) -> np.ndarray:

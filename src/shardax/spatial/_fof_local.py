@@ -40,7 +40,7 @@ from .._nonzero import true_positions
 from .._wordsort import argsort_words
 from ..core import vary_like
 from ._fof_tuning import DEFAULT_TUNING, Tuning, step_sizes
-from ._grid import Domain, Grid, cell_coords, cell_keys, open_domain
+from ._grid import Domain, Grid, cell_coords, cell_keys, open_domain, unwrapped_piece
 
 # Cell keys are int32: the product of the cell counts must stay below 2**31.
 _MAX_CELLS = {2: 2**15 - 1, 3: 2**10 - 1}
@@ -84,49 +84,17 @@ def whole_space(pos: jax.Array, valid: jax.Array, box: jax.Array | None) -> Link
     return LinkSpace(jnp.zeros_like(box), box, jnp.ones(box.shape, bool), box)
 
 
-def _widest_gap_middle(lower: jax.Array, upper: jax.Array, occupied: jax.Array, box: jax.Array) -> jax.Array:
-    """Per axis, the middle of the widest circular gap between the intervals ``[lower, upper]`` `(m, d)` of the
-    occupied rows `(m,)` in ``[0, box)``."""
-    big = jnp.asarray(jnp.inf, lower.dtype)
-    lo = jnp.where(occupied[:, None], lower, big)
-    order = jnp.argsort(lo, axis=0)
-    lo = jnp.take_along_axis(lo, order, axis=0)
-    hi = lax.cummax(jnp.take_along_axis(jnp.where(occupied[:, None], upper, -big), order, axis=0), axis=0)
-    live = occupied.sum() - 1 > jnp.arange(lo.shape[0] - 1)  # gap between sorted intervals i and i + 1
-    inner = jnp.where(live[:, None], lo[1:] - hi[:-1], -big)
-    around = lo[0] + box - hi[-1]  # across the box edge
-    best = jnp.argmax(inner, axis=0)
-    inner_best = jnp.take_along_axis(inner, best[None], axis=0)[0]
-    middle_inner = 0.5 * (jnp.take_along_axis(hi, best[None], axis=0)[0] + jnp.take_along_axis(lo, best[None] + 1,
-                                                                                                axis=0)[0])
-    middle_around = hi[-1] + 0.5 * around
-    middle = jnp.where(inner_best > around, middle_inner, middle_around)
-    middle = middle - box * jnp.floor(middle / box)
-    return jnp.where(jnp.isfinite(middle), middle, jnp.zeros_like(middle))
-
-
 def piece_space(pos: jax.Array, valid: jax.Array, box: jax.Array, linking_length: jax.Array, lower: jax.Array,
                 upper: jax.Array, occupied: jax.Array) -> tuple[LinkSpace, jax.Array]:
-    """An open grid over one device's piece of a periodic box (with its ghosts), periodic only where it must be.
-
-    On each axis the positions `(n, d)` (in ``[0, box)``) are unwrapped across a cut in the widest gap between the
-    piece's cell boxes ``[lower, upper]`` `(m, d)` (occupied rows `(m,)`), so a piece touching both ends of the
-    box lies in one interval. Where the unwrapped points span less than ``box - linking_length`` (with a margin
-    for rounding), two friends are also within the linking length in unwrapped coordinates, so the grid over their
-    bounding box need not wrap; elsewhere the axis keeps the periodic grid over the whole box.
+    """An open grid over one device's piece of a periodic box (with its ghosts), periodic only where it must be
+    (:func:`~shardax.spatial._grid.unwrapped_piece` with the linking length as the reach).
 
     Returns:
         ``(space, grid_pos)``: the space (its ``box`` is the periodic box: distances stay minimum-image in the
         given positions) and the positions `(n, d)` to grid.
     """
-    cut = _widest_gap_middle(lower, upper, occupied, box)
-    unwrapped = jnp.where(pos < cut[None, :], pos + box[None, :], pos)
-    bounds = open_domain(unwrapped, valid)
-    slack = 1e-3 * linking_length + 16 * jnp.finfo(pos.dtype).eps * box
-    wrap = bounds.extent > box - linking_length - slack
-    lo = jnp.where(wrap, jnp.zeros_like(bounds.lo), bounds.lo)
-    extent = jnp.where(wrap, box, bounds.extent)
-    return LinkSpace(lo, extent, wrap, box), jnp.where(wrap[None, :], pos, unwrapped)
+    piece = unwrapped_piece(pos, valid, box, linking_length, lower, upper, occupied)
+    return LinkSpace(piece.domain.lo, piece.domain.extent, piece.wrap, box), piece.grid_pos
 
 
 class SortedPoints(NamedTuple):

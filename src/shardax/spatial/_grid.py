@@ -13,6 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 # Cell keys are int32: the product of the cell counts must stay below 2**31.
 MAX_CELLS_PER_AXIS = {1: 2**30, 2: 2**15 - 1, 3: 2**10 - 1}
@@ -20,11 +21,31 @@ SENTINEL_KEY = np.int32(2**31 - 1)
 
 
 class Domain(NamedTuple):
-    """The region covered by the grids: lower corner, extent and periodicity (traced per-axis arrays)."""
+    """The region covered by the grids: lower corner, extent and periodicity (traced per-axis arrays).
+
+    ``periodic`` (static) says whether distances are periodic. With ``wrap`` (`(d,)` traced bool) and ``box``
+    (`(d,)`) the grid may cover less than the periodic box: on the axes marked in ``wrap`` it covers the whole box
+    (``lo = 0``, ``extent = box``), elsewhere ``[lo, lo + extent)`` of positions unwrapped next to a device's piece
+    (see :func:`unwrapped_piece`), while distances stay minimum-image in ``box`` on every axis. Without them a
+    periodic domain is the whole box (``extent``) on every axis.
+    """
 
     lo: jax.Array  # (d,)
     extent: jax.Array  # (d,)
     periodic: bool
+    wrap: jax.Array | None = None  # (d,) bool
+    box: jax.Array | None = None  # (d,)
+
+    @property
+    def metric_box(self) -> jax.Array:
+        """The periodic box of the distances (``periodic`` domains only)."""
+        return self.extent if self.box is None else self.box
+
+    def wraps(self, axis: int) -> jax.Array | bool:
+        """Whether the grid is periodic along ``axis`` (static where it can be)."""
+        if not self.periodic:
+            return False
+        return True if self.wrap is None else self.wrap[axis]
 
 
 class Grid(NamedTuple):
@@ -61,7 +82,7 @@ def wrap(pos: jax.Array, domain: Domain) -> jax.Array:
     """Positions mapped into the periodic box (identity for an open domain)."""
     if not domain.periodic:
         return pos
-    box = domain.extent[None, :]
+    box = domain.metric_box[None, :]
     # An exact remainder: ``pos - box * floor(pos / box)`` overflows to -inf once ``pos / box`` does (|pos| near the
     # float32 maximum and a box below 1).
     rel = jnp.mod(pos, box)
@@ -107,12 +128,72 @@ def axis_margin(x: jax.Array, first: jax.Array, last: jax.Array, axis: int, doma
     inf = jnp.asarray(jnp.inf, x.dtype)
     lower = lo + first.astype(x.dtype) * h
     upper = lo + (last + 1).astype(x.dtype) * h
-    if domain.periodic:
-        full = last - first + 1 >= g
-        lower = jnp.where(full, -inf, lower)
-        upper = jnp.where(full, inf, upper)
-    else:
-        lower = jnp.where(first <= 0, -inf, lower)
-        upper = jnp.where(last >= g - 1, inf, upper)
-    slack = 16 * jnp.finfo(x.dtype).eps * (jnp.abs(lo) + domain.extent[axis])
+    wraps = domain.wraps(axis)
+    full = last - first + 1 >= g
+    edge_lo, edge_hi = first <= 0, last >= g - 1
+    if wraps is True:
+        edge_lo, edge_hi = full, full
+    elif wraps is not False:  # traced: periodic on some devices' grids, open on others'
+        edge_lo = jnp.where(wraps, full, edge_lo)
+        edge_hi = jnp.where(wraps, full, edge_hi)
+    lower = jnp.where(edge_lo, -inf, lower)
+    upper = jnp.where(edge_hi, inf, upper)
+    reach = jnp.abs(lo) + domain.extent[axis]
+    if domain.box is not None:
+        reach = reach + domain.box[axis]  # grid coordinates unwrapped by a box: one more rounding of that size
+    slack = 16 * jnp.finfo(x.dtype).eps * reach
     return jnp.minimum(x - lower, upper - x) - slack
+
+
+def _widest_gap_middle(lower: jax.Array, upper: jax.Array, occupied: jax.Array, box: jax.Array) -> jax.Array:
+    """Per axis, the middle of the widest circular gap between the intervals ``[lower, upper]`` `(m, d)` of the
+    occupied rows `(m,)` in ``[0, box)``."""
+    big = jnp.asarray(jnp.inf, lower.dtype)
+    # Each axis's intervals by their lower ends (one sort carrying the upper ends: a small program).
+    lo, hi = lax.sort((jnp.where(occupied[:, None], lower, big), jnp.where(occupied[:, None], upper, -big)),
+                      dimension=0, num_keys=1)
+    hi = lax.cummax(hi, axis=0)
+    if lo.shape[0] < 2:
+        middle = hi[-1] + 0.5 * (lo[0] + box - hi[-1])
+        middle = middle - box * jnp.floor(middle / box)
+        return jnp.where(jnp.isfinite(middle), middle, jnp.zeros_like(middle))
+    live = occupied.sum() - 1 > jnp.arange(lo.shape[0] - 1)  # gap between sorted intervals i and i + 1
+    inner = jnp.where(live[:, None], lo[1:] - hi[:-1], -big)
+    around = lo[0] + box - hi[-1]  # across the box edge
+    inner_best = jnp.max(inner, axis=0)
+    best = jnp.arange(inner.shape[0])[:, None] == jnp.argmax(inner, axis=0)[None, :]
+    middle_inner = 0.5 * (jnp.sum(jnp.where(best, hi[:-1], 0), axis=0) + jnp.sum(jnp.where(best, lo[1:], 0), axis=0))
+    middle_around = hi[-1] + 0.5 * around
+    middle = jnp.where(inner_best > around, middle_inner, middle_around)
+    middle = middle - box * jnp.floor(middle / box)
+    return jnp.where(jnp.isfinite(middle), middle, jnp.zeros_like(middle))
+
+
+class Piece(NamedTuple):
+    """A grid over one device's piece of a periodic box: the :class:`Domain` (``wrap`` and ``box`` set), the
+    per-axis ``wrap`` `(d,)` and the positions to grid `(n, d)`."""
+
+    domain: Domain
+    wrap: jax.Array
+    grid_pos: jax.Array
+
+
+def unwrapped_piece(pos: jax.Array, valid: jax.Array, box: jax.Array, reach: jax.Array, lower: jax.Array,
+                    upper: jax.Array, occupied: jax.Array) -> Piece:
+    """An open grid over one device's piece of a periodic box (with its ghosts), periodic only where it must be.
+
+    On each axis the positions `(n, d)` (in ``[0, box)``) are unwrapped across a cut in the widest gap between the
+    piece's boxes ``[lower, upper]`` `(m, d)` (occupied rows `(m,)`), so a piece touching both ends of the box lies
+    in one interval. Where the unwrapped points span less than ``box - reach`` (with a margin for rounding), two
+    points within ``reach`` of each other (minimum image) are as close in unwrapped coordinates, so a search of
+    that radius over their bounding box need not wrap; elsewhere the axis keeps the periodic grid over the whole
+    box. Distances stay minimum-image in the given positions (the domain's ``box``).
+    """
+    cut = _widest_gap_middle(lower, upper, occupied, box)
+    unwrapped = jnp.where(pos < cut[None, :], pos + box[None, :], pos)
+    bounds = open_domain(unwrapped, valid)
+    slack = 1e-3 * reach + 16 * jnp.finfo(pos.dtype).eps * box
+    wrap = ~(bounds.extent <= box - reach - slack)  # an infinite or NaN reach wraps
+    lo = jnp.where(wrap, jnp.zeros_like(bounds.lo), bounds.lo)
+    extent = jnp.where(wrap, box, bounds.extent)
+    return Piece(Domain(lo, extent, True, wrap, box), wrap, jnp.where(wrap[None, :], pos, unwrapped))

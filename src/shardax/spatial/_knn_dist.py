@@ -2,8 +2,10 @@
 
 1. ``zsort`` gives every device a compact piece of space (each row remembers its home device and row).
 2. A local kNN over the device's own rows bounds each row's k-th distance from above.
-3. Each device cuts its rows into ``chunks`` runs of the z-order and publishes each run's bounding box grown by
-   the run's largest bound (an all-gather of ``(chunks, 2, d)`` per device).
+3. Each device cuts its rows into at most ``chunks`` runs, the aligned blocks of the Morton grid at the finest level
+   that holds its rows in that many (:func:`_aligned_runs`), and publishes each run's bounding box grown by the
+   run's largest bound (an all-gather of ``(chunks, 2, d)`` per device). Runs of equal row counts would cross the
+   curve's jumps: a run from the far corner of one octant into the next has a box over both.
 4. Every device sends each of its rows to every other device whose grown boxes contain it (the rows any of that
    device's true neighbourhoods can reach): a surface layer, not the volume.
 5. A second local kNN over own + received rows is exact; ``reduce`` runs on it, and the results travel home (or stay
@@ -20,13 +22,16 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from .._morton import KeyBox, morton_key
 from .._pytree import replace_field, with_num
 from .._zorder import sort_particles
 from ..comm import allgather, allreduce, exchange
 from ..core import rank_info
 from ..particles import Particles
-from ._knn_local import kth_distance_bound, local_knn
+from ._grid import unwrapped_piece
+from ._knn_local import PieceGrid, kth_distance_bound, local_knn
 from ._knn_pass import positions_of
 from ._knn_tuning import KnnTuning
 
@@ -112,8 +117,9 @@ def distributed_knn(part: Any, pos: jax.Array, valid: jax.Array, ids: jax.Array,
         dist2, found = local_knn(zpos, zvalid, zpos, zvalid, zids, k=k, box=boxv, tuning=tuning)
         all_ids, wanted, received, ghost_overflow = zids, jnp.int32(0), jnp.int32(0), no
     else:
+        runs = _aligned_runs(zpos, znum, zsorted.key_box, chunks)
         dist2, found, all_ids, wanted, received, ghost_overflow = _with_ghosts(zpos, zvalid, zids, k, boxv, capacity,
-                                                                             chunks, tuning)
+                                                                             runs, chunks, tuning)
     distances = jnp.sqrt(dist2)
     indices = jnp.where(found >= 0, all_ids[jnp.maximum(found, 0)], -1)
     # The user's pytree in z-order (what ``reduce`` sees, and with ``ids`` what ``home=False`` returns).
@@ -141,21 +147,45 @@ def distributed_knn(part: Any, pos: jax.Array, valid: jax.Array, ids: jax.Array,
     return DistributedKnn(distances, indices, flags, None)
 
 
+def _aligned_runs(zpos: jax.Array, znum: jax.Array, kbox: KeyBox, chunks: int) -> jax.Array:
+    """`(n,)` int32 run of each z-sorted row, in ``[0, chunks)``: the aligned blocks of Morton keys (``2**s`` keys
+    each) at the smallest ``s`` that puts the ``znum`` valid rows into at most ``chunks`` blocks, numbered in order.
+
+    A new block starts at a row whose key differs from the previous row's in bit ``s`` or above, so ``s`` is read
+    from a histogram of the highest differing bit of neighbouring keys. Any grouping keeps the search exact (the
+    boxes are those of the rows a run holds); aligned blocks keep the boxes as small as the blocks' rows.
+    """
+    n = zpos.shape[0]
+    rows = jnp.arange(n, dtype=jnp.int32)
+    hi, lo = morton_key(zpos, kbox, rows < znum)
+    if n < 2:
+        return jnp.zeros((n,), jnp.int32)
+    hi_diff, lo_diff = hi[1:] ^ hi[:-1], lo[1:] ^ lo[:-1]
+    # lax.clz(0) is 32: equal keys give -1.
+    top = jnp.where(hi_diff != 0, 63 - lax.clz(hi_diff).astype(jnp.int32), 31 - lax.clz(lo_diff).astype(jnp.int32))
+    top = jnp.where(rows[1:] < znum, top, -1)
+    per_bit = jnp.zeros((64,), jnp.int32).at[jnp.where(top >= 0, top, 64)].add(1, mode="drop")
+    starts_at_or_above = jnp.cumsum(per_bit[::-1])[::-1]  # block starts at shift s: rows whose top bit >= s
+    shift = jnp.sum(1 + starts_at_or_above > chunks, dtype=jnp.int32)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(top >= shift, dtype=jnp.int32)])
+
+
 def _with_ghosts(zpos: jax.Array, zvalid: jax.Array, zids: jax.Array, k: int, boxv: jax.Array | None,
-                 capacity: int, chunks: int, tuning: KnnTuning | None) -> tuple[jax.Array, jax.Array, jax.Array,
-                                                                                 jax.Array, jax.Array, jax.Array]:
-    """Steps 2-5 on z-sorted rows: bound, exchange the ghost layer, exact kNN over own + ghost rows."""
+                 capacity: int, run: jax.Array, chunks: int, tuning: KnnTuning | None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Steps 2-5 on z-sorted rows cut into ``run`` s: bound, exchange the ghost layer, exact kNN over own + ghost
+    rows."""
     rank, size, _ = rank_info()
     n, dim = zpos.shape
-    rows = jnp.arange(n, dtype=jnp.int32)
 
-    # Bounding pass on own rows only: the true k-th distance is at most this one.
-    radius = jnp.sqrt(kth_distance_bound(zpos, zvalid, k=k, box=boxv, tuning=tuning))
-    chunk = -(-n // chunks)
-    run = jnp.minimum(rows // chunk, chunks - 1)
     big = jnp.asarray(jnp.inf, zpos.dtype)
     lo = jax.ops.segment_min(jnp.where(zvalid[:, None], zpos, big), run, num_segments=chunks)
     hi = jax.ops.segment_max(jnp.where(zvalid[:, None], zpos, -big), run, num_segments=chunks)
+    occupied = hi[:, 0] >= lo[:, 0]
+    # Bounding pass on own rows only: the true k-th distance is at most this one. (Any grid gives a bound; in a
+    # periodic box, one over this device's piece rather than the whole box, whose cells would hold size-fold more.)
+    own = None if boxv is None else _piece(zpos, zvalid, zpos, boxv, jnp.zeros((), zpos.dtype), lo, hi, occupied)
+    radius = jnp.sqrt(kth_distance_bound(zpos, zvalid, k=k, box=boxv, tuning=tuning, piece=own))
     grow = jax.ops.segment_max(jnp.where(zvalid, radius, -big), run, num_segments=chunks)
     boxes_lo = allgather(lo - grow[:, None]).reshape(size * chunks, dim)
     boxes_hi = allgather(hi + grow[:, None]).reshape(size * chunks, dim)
@@ -172,5 +202,17 @@ def _with_ghosts(zpos: jax.Array, zvalid: jax.Array, zids: jax.Array, k: int, bo
     all_pos = jnp.concatenate([zpos, ghosts["pos"]])
     all_valid = jnp.concatenate([zvalid, jnp.arange(capacity) < ghost_num])
     all_ids = jnp.concatenate([zids, jnp.where(all_valid[n:], ghosts["ids"], jnp.iinfo(jnp.int32).max)])
-    dist2, found = local_knn(all_pos, all_valid, zpos, zvalid, all_ids, k=k, box=boxv, tuning=tuning)
+    # Every query's neighbours lie within its run's bound, in the run's grown box: the grid covers those boxes.
+    piece = None if boxv is None else _piece(all_pos, all_valid, zpos, boxv, jnp.max(jnp.where(occupied, grow, 0)),
+                                             lo - grow[:, None], hi + grow[:, None], occupied)
+    dist2, found = local_knn(all_pos, all_valid, zpos, zvalid, all_ids, k=k, box=boxv, tuning=tuning, piece=piece)
     return dist2, found, all_ids, wanted, received, ghost_overflow
+
+
+def _piece(pos: jax.Array, valid: jax.Array, query_pos: jax.Array, box: jax.Array, reach: jax.Array,
+           lower: jax.Array, upper: jax.Array, occupied: jax.Array) -> PieceGrid:
+    """The grid over this device's piece of the periodic box: data ``pos`` (the first rows are the queries,
+    ``query_pos``), every neighbour searched for within ``reach``, the piece inside the boxes ``[lower, upper]``."""
+    piece = unwrapped_piece(pos, valid, box, reach, lower, upper, occupied)
+    return PieceGrid(piece.domain.lo, piece.domain.extent, piece.wrap, piece.grid_pos,
+                     piece.grid_pos[:query_pos.shape[0]])

@@ -70,13 +70,27 @@ class _SweepState(NamedTuple):
     steps: jax.Array
 
 
+class PieceGrid(NamedTuple):
+    """A device's piece of a periodic box, gridded open on the axes where it need not wrap (see
+    :func:`~shardax.spatial._grid.unwrapped_piece`): the grid's ``lo``, ``extent`` and ``wrap`` `(d,)`, and the
+    data's and queries' positions on it, `(n, d)` and `(m, d)` (distances stay minimum-image in the positions)."""
+
+    lo: jax.Array
+    extent: jax.Array
+    wrap: jax.Array
+    grid_pos: jax.Array
+    query_grid_pos: jax.Array
+
+
 class _Problem(NamedTuple):
-    """What every pass of one search reads: the data and queries wrapped into the domain, the data sorted on the
-    first grid, and the static sizes."""
+    """What every pass of one search reads: the data and queries wrapped into the domain (and their positions on
+    the grid, where they differ), the data sorted on the first grid, and the static sizes."""
 
     pos: jax.Array  # (n, d)
     data_valid: jax.Array  # (n,)
     query_pos: jax.Array  # (m, d)
+    grid_pos: jax.Array | None  # (n, d)
+    query_grid_pos: jax.Array | None  # (m, d)
     domain: Domain
     count: jax.Array  # valid data rows
     grid0: Grid  # the first grid (level 0)
@@ -89,8 +103,8 @@ class _Problem(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("k", "tuning"))
 def local_knn(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array, query_valid: jax.Array,
-              order: jax.Array, *, k: int, box: jax.Array | None,
-              tuning: KnnTuning | None = None) -> tuple[jax.Array, jax.Array]:
+              order: jax.Array, *, k: int, box: jax.Array | None, tuning: KnnTuning | None = None,
+              piece: PieceGrid | None = None) -> tuple[jax.Array, jax.Array]:
     """Exact kNN of the valid query rows among the valid data rows.
 
     Args:
@@ -104,18 +118,19 @@ def local_knn(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array, query
         tuning: the kernel's static sizes (None: the backend's preset). A small tuning sends small inputs through
             every phase (adaptive passes, compacted passes, brute-force tiles); results are identical for every
             tuning.
+        piece: with a periodic ``box``, grid a device's piece of it (and its ghosts) instead of the whole box.
 
     Returns:
         ``(dist2, rows)``: `(m, k)` squared distances (ascending, ties by ``order``) and data row numbers;
         invalid query rows, and neighbours missing when fewer than ``k`` data rows exist, hold ``inf`` and ``-1``.
     """
-    return _search(pos, data_valid, query_pos, query_valid, order, k=k, box=box, tuning=tuning)[:2]
+    return _search(pos, data_valid, query_pos, query_valid, order, k=k, box=box, tuning=tuning, piece=piece)[:2]
 
 
 @functools.partial(jax.jit, static_argnames=("k", "tuning"))
 def local_knn_steps(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array, query_valid: jax.Array,
-                    order: jax.Array, *, k: int, box: jax.Array | None,
-                    tuning: KnnTuning | None = None) -> tuple[jax.Array, jax.Array, Steps]:
+                    order: jax.Array, *, k: int, box: jax.Array | None, tuning: KnnTuning | None = None,
+                    piece: PieceGrid | None = None) -> tuple[jax.Array, jax.Array, Steps]:
     """:func:`local_knn` and the sequential loop :class:`Steps` it ran (a diagnostic for the tuning).
 
     Example:
@@ -127,19 +142,19 @@ def local_knn_steps(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array,
         >>> rows[:3, 0].tolist(), int(steps.first)
         ([0, 1, 2], 1)
     """
-    return _search(pos, data_valid, query_pos, query_valid, order, k=k, box=box, tuning=tuning)
+    return _search(pos, data_valid, query_pos, query_valid, order, k=k, box=box, tuning=tuning, piece=piece)
 
 
 def _search(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array, query_valid: jax.Array,
-            order: jax.Array, *, k: int, box: jax.Array | None,
-            tuning: KnnTuning | None) -> tuple[jax.Array, jax.Array, Steps]:
+            order: jax.Array, *, k: int, box: jax.Array | None, tuning: KnnTuning | None,
+            piece: PieceGrid | None) -> tuple[jax.Array, jax.Array, Steps]:
     """The search of :func:`local_knn`, with its :class:`Steps`: a first grid pass, adaptive full passes, a
     compacted level sweep, brute force for the rest, and ties ordered by ``order``."""
     m = query_pos.shape[0]
     size = sizes(resolve(tuning, "local_knn"), pos.shape[1], k, m, pos.shape[0])
-    problem = _prepare(pos, data_valid, query_pos, order, k=k, box=box, size=size)
+    problem = _prepare(pos, data_valid, query_pos, order, k=k, box=box, size=size, piece=piece)
     first = grid_pass(problem.data0, problem.query_pos, query_valid, domain=problem.domain, grid=problem.grid0,
-                      reach=1, k=k, tiles=size.full)
+                      reach=1, k=k, tiles=size.full, query_grid_pos=problem.query_grid_pos)
     adapted = _adaptive_passes(problem, first, query_valid)
     swept = _level_sweep(problem, adapted)
     dist2, rows, brute_steps = _brute_force(problem, swept.active, into=(swept.dist2, swept.rows))
@@ -149,22 +164,28 @@ def _search(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array, query_v
             Steps(first.steps, adapted.steps, swept.steps, brute_steps))
 
 
-def _domain(pos: jax.Array, data_valid: jax.Array, box: jax.Array | None) -> Domain:
+def _domain(pos: jax.Array, data_valid: jax.Array, box: jax.Array | None, piece: PieceGrid | None = None) -> Domain:
+    if piece is not None:
+        if box is None:
+            raise ValueError("a piece of a periodic box needs the box")
+        box = box.astype(pos.dtype)
+        return Domain(piece.lo.astype(pos.dtype), piece.extent.astype(pos.dtype), True, piece.wrap, box)
     return open_domain(pos, data_valid) if box is None else periodic_domain(box.astype(pos.dtype))
 
 
 def _prepare(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array, order: jax.Array, *, k: int,
-             box: jax.Array | None, size: Sizes) -> _Problem:
+             box: jax.Array | None, size: Sizes, piece: PieceGrid | None = None) -> _Problem:
     """The domain, the wrapped positions and the data sorted on the first grid."""
-    domain = _domain(pos, data_valid, box)
+    domain = _domain(pos, data_valid, box, piece)
     pos = wrap(pos, domain)
     query_pos = wrap(query_pos, domain)
+    grid_pos, query_grid_pos = (None, None) if piece is None else (piece.grid_pos, piece.query_grid_pos)
     count = jnp.sum(data_valid, dtype=jnp.int32)
     grid0 = make_grid(domain, count, size.per_cell, jnp.int32(0))
-    data0 = sort_data(pos, data_valid, domain, grid0)
+    data0 = sort_data(pos, data_valid, domain, grid0, grid_pos)
     m = query_pos.shape[0]
-    return _Problem(pos, data_valid, query_pos, domain, count, grid0, data0, order, k=k, size=size,
-                    subset=min(m, max(size.later_queries, m // 16)))
+    return _Problem(pos, data_valid, query_pos, grid_pos, query_grid_pos, domain, count, grid0, data0, order, k=k,
+                    size=size, subset=min(m, max(size.later_queries, m // 16)))
 
 
 def _adaptive_passes(problem: _Problem, first: PassResult, query_valid: jax.Array) -> _AdaptState:
@@ -187,9 +208,9 @@ def _adapt(problem: _Problem, state: _AdaptState) -> _AdaptState:
     finer = 2 * jnp.sum(active & state.truncated) >= jnp.sum(active)
     level = jnp.where(finer, state.finest + 2, state.coarsest - 1)
     grid = make_grid(problem.domain, problem.count, problem.size.per_cell, level)
-    data = sort_data(problem.pos, problem.data_valid, problem.domain, grid)
+    data = sort_data(problem.pos, problem.data_valid, problem.domain, grid, problem.grid_pos)
     res = grid_pass(data, problem.query_pos, active, domain=problem.domain, grid=grid, reach=1, k=problem.k,
-                    tiles=problem.size.full, into=(state.dist2, state.rows))
+                    tiles=problem.size.full, into=(state.dist2, state.rows), query_grid_pos=problem.query_grid_pos)
     return _AdaptState(passes=state.passes + 1, finest=jnp.maximum(state.finest, level),
                        coarsest=jnp.minimum(state.coarsest, level), active=active & ~res.certified,
                        truncated=jnp.where(active, res.truncated, state.truncated), dist2=res.dist2, rows=res.rows,
@@ -220,12 +241,13 @@ def _sweep(problem: _Problem, state: _SweepState) -> _SweepState:
     level = state.level
     grid = make_grid(problem.domain, problem.count, problem.size.per_cell, level)
     data = lax.cond(level == 0, lambda: vary_like(problem.data0, problem.query_pos),
-                    lambda: vary_like(sort_data(problem.pos, problem.data_valid, problem.domain, grid),
-                                      problem.query_pos))
+                    lambda: vary_like(sort_data(problem.pos, problem.data_valid, problem.domain, grid,
+                                                problem.grid_pos), problem.query_pos))
     picked = positions_of(state.active & ~state.tried, problem.subset, m)
     sub = jnp.minimum(picked, m - 1)
     res = grid_pass(data, problem.query_pos[sub], picked < m, domain=problem.domain, grid=grid, reach=2,
-                    k=problem.k, tiles=problem.size.compacted, order=problem.order)
+                    k=problem.k, tiles=problem.size.compacted, order=problem.order,
+                    query_grid_pos=None if problem.query_grid_pos is None else problem.query_grid_pos[sub])
     done = jnp.where((picked < m) & res.certified, picked, m)
     active = state.active.at[done].set(False, mode="drop")
     tried = state.tried.at[picked].set(True, mode="drop")
@@ -238,18 +260,19 @@ def _sweep(problem: _Problem, state: _SweepState) -> _SweepState:
 
 @functools.partial(jax.jit, static_argnames=("k", "tuning"))
 def kth_distance_bound(pos: jax.Array, data_valid: jax.Array, *, k: int, box: jax.Array | None,
-                       tuning: KnnTuning | None = None) -> jax.Array:
+                       tuning: KnnTuning | None = None, piece: PieceGrid | None = None) -> jax.Array:
     """An upper bound `(n,)` on each valid row's squared k-th neighbour distance among the valid rows.
 
     One first-grid pass: any k real candidates bound the k-th distance from above, certified or not (``inf``
-    where a row saw fewer than k candidates).
+    where a row saw fewer than k candidates). ``piece``: as :func:`local_knn`'s (the rows are their own queries).
     """
     size = sizes(resolve(tuning, "kth_distance_bound"), pos.shape[1], k, pos.shape[0], pos.shape[0])
-    domain = _domain(pos, data_valid, box)
+    domain = _domain(pos, data_valid, box, piece)
     pos = wrap(pos, domain)
+    grid_pos = None if piece is None else piece.grid_pos
     grid = make_grid(domain, jnp.sum(data_valid, dtype=jnp.int32), size.per_cell, jnp.int32(0))
-    res = grid_pass(sort_data(pos, data_valid, domain, grid), pos, data_valid, domain=domain, grid=grid, reach=1,
-                    k=k, tiles=size.full)
+    res = grid_pass(sort_data(pos, data_valid, domain, grid, grid_pos), pos, data_valid, domain=domain, grid=grid,
+                    reach=1, k=k, tiles=size.full, query_grid_pos=grid_pos)
     return jnp.where(data_valid, res.dist2[:, k - 1], jnp.inf)
 
 

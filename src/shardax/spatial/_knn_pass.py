@@ -53,7 +53,7 @@ def pair_dist2(q: jax.Array, c: jax.Array, domain: Domain) -> jax.Array:
         if domain.periodic:
             # Wrapped coordinates differ by less than a box: the nearest image is at most one box away. (Without
             # a division: XLA:CPU keeps a divided tile in memory of its own, one per axis.)
-            box = domain.extent[axis]
+            box = domain.metric_box[axis]
             half = box * 0.5
             dx = jnp.where(dx > half, dx - box, jnp.where(dx < -half, dx + box, dx))
         # max(., 0) changes no value; it keeps each square rounded on its own. Without it, a compiler may fuse a
@@ -255,7 +255,7 @@ def _searched_width2(span: jax.Array, reach: int, domain: Domain, grid: Grid) ->
         cells = span + 1 + 2 * reach if axis == 0 else jnp.full(span.shape, 1 + 2 * reach)
         width = cells.astype(grid.size.dtype) * grid.size[axis]
         if domain.periodic:
-            width = jnp.minimum(width, 0.5 * domain.extent[axis])
+            width = jnp.minimum(width, 0.5 * domain.metric_box[axis])
         total = total + width * width
     return total
 
@@ -300,16 +300,19 @@ class SortedData(NamedTuple):
     pos: jax.Array
 
 
-def sort_data(data_pos: jax.Array, data_valid: jax.Array, domain: Domain, grid: Grid) -> SortedData:
-    """The valid data rows sorted by cell key (invalid rows last, with the sentinel key)."""
-    keys = jnp.where(data_valid, cell_keys(cell_coords(data_pos, domain, grid), grid), SENTINEL_KEY)
+def sort_data(data_pos: jax.Array, data_valid: jax.Array, domain: Domain, grid: Grid,
+              grid_pos: jax.Array | None = None) -> SortedData:
+    """The valid data rows sorted by cell key (invalid rows last, with the sentinel key); the cells of ``grid_pos``
+    (default ``data_pos``: see :class:`~shardax.spatial._grid.Piece`)."""
+    at = data_pos if grid_pos is None else grid_pos
+    keys = jnp.where(data_valid, cell_keys(cell_coords(at, domain, grid), grid), SENTINEL_KEY)
     keys, rows = sort_words(keys)
     return SortedData(keys, rows, data_pos[rows])
 
 
 def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, *, domain: Domain, grid: Grid,
               reach: int, k: int, tiles: Tiles, into: tuple[jax.Array, jax.Array] | None = None,
-              order: jax.Array | None = None) -> PassResult:
+              order: jax.Array | None = None, query_grid_pos: jax.Array | None = None) -> PassResult:
     """Answer the ``active`` queries whose result this grid certifies (see the module docstring).
 
     Args:
@@ -328,6 +331,8 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, *, doma
         order: `(n,)` int32 tie-break rank of each data row (by original row): with it, a query whose k-th distance
             is tied with the (k+1)-th is certified too, taking the tied candidates of smallest rank (the answer a
             search over all data in ``order`` gives); None: such a query is left uncertified.
+        query_grid_pos: `(m, d)` the queries' positions on the grid, where they differ from ``query_pos`` (a
+            device's piece unwrapped, see :class:`~shardax.spatial._grid.Piece`).
 
     Returns:
         ``PassResult`` for every query (meaningful where ``certified``); ``rows`` are data row numbers.
@@ -339,10 +344,11 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, *, doma
     kk = k + 1
     dkeys, dperm, dpos = data
 
-    qcoords = cell_coords(query_pos, domain, grid)
+    qcoords = cell_coords(query_pos if query_grid_pos is None else query_grid_pos, domain, grid)
     qkeys = jnp.where(active, cell_keys(qcoords, grid), SENTINEL_KEY)
     qkeys, qperm = sort_words(qkeys)
     qpos = query_pos[qperm]
+    qgrid = None if query_grid_pos is None else query_grid_pos[qperm]
     qcoords = qcoords[qperm]
     num_active = jnp.sum(active, dtype=jnp.int32)
 
@@ -371,12 +377,13 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, *, doma
         qvalid = qi < end[:, None]
         qi = jnp.minimum(qi, m - 1)
         qp = qpos[qi]
+        qg = qp if qgrid is None else qgrid[qi]
         first = qcoords[jnp.minimum(start, m - 1)]
         x0 = first[:, 0]
         x1 = qcoords[jnp.clip(end - 1, 0, m - 1), 0]
 
         range_start, range_len = _candidate_runs(dkeys, first, x0, x1, grid=grid, offsets=offsets, reach=reach,
-                                                 periodic=domain.periodic, search=tiles.search)
+                                                 domain=domain, search=tiles.search)
         cum = jnp.cumsum(range_len, axis=1)
         total = cum[:, -1]
         truncated = total > capacity
@@ -391,10 +398,10 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, *, doma
         d2 = pair_dist2(qp, dpos[drow], domain)
         d2 = jnp.where(cvalid[:, None, :], d2, inf)
 
-        margin = axis_margin(qp[..., 0], (x0 - reach)[:, None], (x1 + reach)[:, None], 0, domain, grid)
+        margin = axis_margin(qg[..., 0], (x0 - reach)[:, None], (x1 + reach)[:, None], 0, domain, grid)
         for axis in range(1, dim):
             c = first[:, axis, None]
-            margin = jnp.minimum(margin, axis_margin(qp[..., axis], c - reach, c + reach, axis, domain, grid))
+            margin = jnp.minimum(margin, axis_margin(qg[..., axis], c - reach, c + reach, axis, domain, grid))
         # Only rows that can be certified need the exact selection (the others keep real candidates), and only
         # within their margin: a k-th neighbour beyond it certifies nothing. Where nothing lies beyond the searched
         # cells (a small grid), their width bounds the candidates' distances. (Any bound keeps the answers exact:
@@ -447,21 +454,26 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, *, doma
 
 
 def _candidate_runs(dkeys: jax.Array, first: jax.Array, x0: jax.Array, x1: jax.Array, *, grid: Grid,
-                    offsets: list[tuple[int, ...]], reach: int, periodic: bool,
+                    offsets: list[tuple[int, ...]], reach: int, domain: Domain,
                     search: str) -> tuple[jax.Array, jax.Array]:
     """Start and length `(B, R)` in the sorted data of every run of candidate cells of each block (`first: (B, d)`
     the cell of a block's first query, `x0, x1: (B,)` its first and last cell along axis 0)."""
     gx = grid.cells[0]
     a, b = x0 - reach, x1 + reach
-    if periodic:
+    wraps_x = domain.wraps(0)
+    open_x = (jnp.maximum(a, 0), jnp.minimum(b, gx - 1))
+    if wraps_x is not False:
         full = b - a + 1 >= gx
         lo_part = jnp.where(full, 0, jnp.where(a < 0, a + gx, a))
         hi_part = jnp.where(full, gx - 1, jnp.where(a < 0, gx - 1, jnp.minimum(b, gx - 1)))
         # The wrapped remainder: [0, b] when a < 0, [0, b - gx] when b >= gx, else empty.
         wrap_hi = jnp.where(full, -1, jnp.where(a < 0, b, jnp.where(b >= gx, b - gx, -1)))
+        if wraps_x is not True:  # an open axis on this grid: the open range, no remainder
+            lo_part, hi_part = jnp.where(wraps_x, lo_part, open_x[0]), jnp.where(wraps_x, hi_part, open_x[1])
+            wrap_hi = jnp.where(wraps_x, wrap_hi, -1)
         x_parts = [(lo_part, hi_part), (jnp.zeros_like(wrap_hi), wrap_hi)]
     else:
-        x_parts = [(jnp.maximum(a, 0), jnp.minimum(b, gx - 1))]
+        x_parts = [open_x]
 
     # Every candidate row of every block at once, `(B, R)` (no Python loop over the rows: one set of operations
     # whatever the reach, so the program stays small).
@@ -473,11 +485,15 @@ def _candidate_runs(dkeys: jax.Array, first: jax.Array, x0: jax.Array, x1: jax.A
     for axis in range(1, first.shape[1]):
         g = grid.cells[axis]
         c = first[:, axis, None] + table[None, :, axis - 1]
-        if periodic:
+        wraps = domain.wraps(axis)
+        if wraps is True:
             ok = ok & (g >= least[None, :, axis - 1])
             c = jnp.mod(c, g)
-        else:
+        elif wraps is False:
             ok = ok & (c >= 0) & (c < g)
+        else:
+            ok = ok & jnp.where(wraps, g >= least[None, :, axis - 1], (c >= 0) & (c < g))
+            c = jnp.where(wraps, jnp.mod(c, g), c)
         base = base + c * grid.stride[axis]
     # Runs ordered by candidate row, then by x part.
     xa = jnp.stack([xa for xa, _ in x_parts], axis=1)[:, None, :]
