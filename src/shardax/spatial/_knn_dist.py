@@ -184,7 +184,7 @@ def _with_ghosts(zpos: jax.Array, zvalid: jax.Array, zids: jax.Array, k: int, bo
     occupied = hi[:, 0] >= lo[:, 0]
     # Bounding pass on own rows only: the true k-th distance is at most this one. (Any grid gives a bound; in a
     # periodic box, one over this device's piece rather than the whole box, whose cells would hold size-fold more.)
-    own = None if boxv is None else _piece(zpos, zvalid, zpos, boxv, jnp.zeros((), zpos.dtype), lo, hi, occupied)
+    own = None if boxv is None else _piece(zpos, zvalid, n, boxv, jnp.zeros((), zpos.dtype), lo, hi, occupied)
     radius = jnp.sqrt(kth_distance_bound(zpos, zvalid, k=k, box=boxv, tuning=tuning, piece=own))
     grow = jax.ops.segment_max(jnp.where(zvalid, radius, -big), run, num_segments=chunks)
     boxes_lo = allgather(lo - grow[:, None]).reshape(size * chunks, dim)
@@ -203,16 +203,16 @@ def _with_ghosts(zpos: jax.Array, zvalid: jax.Array, zids: jax.Array, k: int, bo
     all_valid = jnp.concatenate([zvalid, jnp.arange(capacity) < ghost_num])
     all_ids = jnp.concatenate([zids, jnp.where(all_valid[n:], ghosts["ids"], jnp.iinfo(jnp.int32).max)])
     # Every query's neighbours lie within its run's bound, in the run's grown box: the grid covers those boxes.
-    piece = None if boxv is None else _piece(all_pos, all_valid, zpos, boxv, jnp.max(jnp.where(occupied, grow, 0)),
+    piece = None if boxv is None else _piece(all_pos, all_valid, n, boxv, jnp.max(jnp.where(occupied, grow, 0)),
                                              lo - grow[:, None], hi + grow[:, None], occupied)
     dist2, found = local_knn(all_pos, all_valid, zpos, zvalid, all_ids, k=k, box=boxv, tuning=tuning, piece=piece)
     return dist2, found, all_ids, wanted, received, ghost_overflow
 
 
-def _piece(pos: jax.Array, valid: jax.Array, query_pos: jax.Array, box: jax.Array, reach: jax.Array,
+def _piece(pos: jax.Array, valid: jax.Array, queries: int, box: jax.Array, reach: jax.Array,
            lower: jax.Array, upper: jax.Array, occupied: jax.Array) -> PieceGrid:
-    """The grid over this device's piece of the periodic box: data ``pos`` (the first rows are the queries,
-    ``query_pos``), every neighbour searched for within ``reach``, the piece inside the boxes ``[lower, upper]``."""
+    """The grid over this device's piece of the periodic box: data ``pos`` (its first ``queries`` rows are the
+    queries), every neighbour searched for within ``reach``, the piece inside the boxes ``[lower, upper]``."""
     piece = unwrapped_piece(pos, valid, box, reach, lower, upper, occupied)
     return PieceGrid(piece.domain.lo, piece.domain.extent, piece.wrap, piece.grid_pos,
-                     piece.grid_pos[:query_pos.shape[0]])
+                     piece.grid_pos[:queries])
