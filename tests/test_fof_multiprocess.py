@@ -189,7 +189,8 @@ def _refused_inputs() -> dict:
     me, nproc = sx.world().process_id, sx.world().num_processes
     data = mixed_periodic()
     rows = np.array_split(np.arange(len(data["pos"])), nproc)[me]
-    wide = sx.particles.from_numpy(2.0 * data["pos"][rows])
+    # The mixed scenario's fields and rows: its compiled program (and grown ghost buffer) is reused.
+    wide = sx.particles.from_numpy(2.0 * data["pos"][rows], vel=data["vel"][rows], mass=data["mass"][rows])
     out = {}
     try:
         fof.smap()(wide, data["linking_length"], box=data["box"], min_members=MIN_MEMBERS)
