@@ -382,15 +382,12 @@ def own_rows(arrays: Sequence[jax.Array], route: Route, place: Placement, rounds
 
 def rounds_of(c: int, arrays: Sequence[jax.Array], route: Route, place: Placement, rounds: Rounds,
               all_to_all: AllToAll, me: jax.Array | int, carry: Received) -> Received:
-    """As many rounds of ``c`` rows per rank pair as the largest count between ranks needs (at least one), then the
-    rows each rank keeps (in local steps of a quarter of a round's ``size * c`` rows: their temporaries stay below
-    the round's)."""
+    """As many rounds of ``c`` rows per rank pair as the largest count between ranks needs (at least one)."""
     lanes = jnp.arange(c, dtype=jnp.int32)
     count = -(-jnp.minimum(route.largest, rounds.capacity) // c)
     step = functools.partial(one_round, arrays, route, place, rounds, all_to_all, me)
-    carry = lax.fori_loop(jnp.int32(0), jnp.maximum(count, 1).astype(jnp.int32),
-                          lambda t, carry: step(t, lanes, carry), carry)
-    return own_rows(arrays, route, place, rounds, me, max(1, min(rounds.size * c, rounds.capacity) // 4), carry)
+    return lax.fori_loop(jnp.int32(0), jnp.maximum(count, 1).astype(jnp.int32),
+                         lambda t, carry: step(t, lanes, carry), carry)
 
 
 def chunked(arrays: Sequence[jax.Array], route: Route, *, capacity: int, axes: tuple[str, ...], chunk: Chunk,
@@ -415,10 +412,16 @@ def chunked(arrays: Sequence[jax.Array], route: Route, *, capacity: int, axes: t
     me = axes_index(axes)
     run = [functools.partial(rounds_of, c, arrays, route, place, rounds, all_to_all, me) for c in sizes]
     if len(sizes) == 1:
-        return list(run[0](carry).buffers)
-    # Every rank knows ``largest``, so all take the same branch: the smallest size that moves it in one round.
-    pick = jnp.sum(jnp.asarray(sizes[:-1], jnp.int32) < jnp.minimum(route.largest, capacity)).astype(jnp.int32)
-    return list(lax.switch(pick, run, carry).buffers)
+        carry = run[0](carry)
+    else:
+        # Every rank knows ``largest``, so all take the same branch: the smallest size that moves it in one round.
+        pick = jnp.sum(jnp.asarray(sizes[:-1], jnp.int32) < jnp.minimum(route.largest, capacity)).astype(jnp.int32)
+        carry = lax.switch(pick, run, carry)
+    # The rows each rank keeps, after the rounds and outside the ladder's branches (one copy of their loop, not one
+    # per size), in local steps of a quarter of the largest round's ``size * c`` rows (at most a quarter of the
+    # buffer: their temporaries stay well below the receive buffers).
+    block = max(1, min(rounds.size * sizes[-1], capacity) // 4)
+    return list(own_rows(arrays, route, place, rounds, me, block, carry).buffers)
 
 
 def local_copy(arrays: Sequence[jax.Array], count: jax.Array, capacity: int,
