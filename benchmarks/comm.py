@@ -7,6 +7,7 @@ Run everything (launches its own processes):
     python benchmarks/comm.py --json out.json
     python benchmarks/comm.py --local        # only alltoallv and exchange in this process (8 CPU devices, small)
     python benchmarks/comm.py --kernels 1000000   # also zsort and FoF at 2 processes x 4 devices, both transports
+    python benchmarks/comm.py --mpich /opt/shardax-mpich   # the same under MPICH's mpiexec (mpi4py pointed at it)
 
 Each `mpirun -n 2` launch measures, side by side in the same two processes: an allreduce of 1e6 float32 per device
 through mpi4py, mpi4jax (if installed) and sx.comm over each transport (MPI, which sx.initialize() picks under
@@ -65,6 +66,8 @@ def allreduce_worker(cpu_devices: int) -> None:
     out = np.empty_like(host)
     cases["mpi4py Allreduce"] = lambda: comm.Allreduce(host, out, op=MPI.SUM)
     try:
+        if MPI.Get_library_version().lstrip().startswith("MPICH"):
+            raise ImportError("mpi4jax is built against the machine's Open MPI here")
         import mpi4jax
 
         dev = jax.local_devices()[0]
@@ -288,14 +291,23 @@ def kernels_worker(n: int) -> None:
         print("RESULT " + json.dumps({"n": n, "labels_same": same, "ms": results}), flush=True)
 
 
+MPICH_PREFIX: str | None = None  # --mpich: launch with that MPICH's mpiexec instead of Open MPI's mpirun
+
+
 def _mpirun_worker(*worker_args: str) -> dict:
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        raise RuntimeError("mpirun not found: apt-get install openmpi-bin")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDAX_")}
     env["JAX_PLATFORMS"] = "cpu"
-    cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2", "-x", "JAX_PLATFORMS", sys.executable, __file__,
-           *worker_args]
+    if MPICH_PREFIX:
+        # Hydra passes the whole environment; mpi4py loads this MPICH, the native call builds with its mpicc.
+        env |= {"MPI4PY_LIBMPI": os.path.join(MPICH_PREFIX, "lib", "libmpi.so.12"),
+                "MPICC": os.path.join(MPICH_PREFIX, "bin", "mpicc")}
+        cmd = [os.path.join(MPICH_PREFIX, "bin", "mpiexec"), "-n", "2", sys.executable, __file__, *worker_args]
+    else:
+        mpirun = shutil.which("mpirun")
+        if mpirun is None:
+            raise RuntimeError("mpirun not found: apt-get install openmpi-bin")
+        cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2", "-x", "JAX_PLATFORMS", sys.executable,
+               __file__, *worker_args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not line:
@@ -318,7 +330,11 @@ def main() -> None:
                         help="also time zsort and FoF of N points at 2 processes x 4 devices through each transport "
                              "(and on one device)")
     parser.add_argument("--kernels-worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--mpich", metavar="PREFIX", help="launch with PREFIX/bin/mpiexec (MPICH's Hydra; e.g. the "
+                        "`mpich` wheel's venv) instead of Open MPI's mpirun; mpi4jax is skipped there")
     args = parser.parse_args()
+    global MPICH_PREFIX
+    MPICH_PREFIX = args.mpich
     if args.worker is not None:
         allreduce_worker(args.worker)
         return

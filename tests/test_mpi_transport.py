@@ -1,7 +1,7 @@
 """The MPI transport of ``sx.comm``: every collective gives the gloo transport's results under ``mpirun``.
 
 One ``mpirun -n 2`` launch per configuration (1 and 4 CPU devices per process under Open MPI 4, 4 under Open MPI
-5) runs every check twice in the same processes, through MPI and through gloo (the transport is read at trace time, so fresh functions switch it), and
+5, 4 under MPICH's ``mpiexec``, whose ranks find each other through MPI) runs every check twice in the same processes, through MPI and through gloo (the transport is read at trace time, so fresh functions switch it), and
 compares both with NumPy references built from every rank's inputs. Two more launches check that a run whose
 processes diverge still ends with a clear error: a different program (the program guard) and a rank that stops
 taking part (the watchdog). Skipped, with the reason, when ``mpirun`` or ``mpi4py`` is absent. The selection rules
@@ -28,6 +28,8 @@ import pytest
 MPIRUN = shutil.which("mpirun")
 # Open MPI 5 from its PyPI wheel in a virtual environment of its own (.ci/cluster-setup.sh makes it).
 MPIRUN5 = os.environ.get("SHARDAX_OMPI5_MPIRUN", "/opt/shardax-ompi5/bin/mpirun")
+# MPICH from its PyPI wheel, likewise: Hydra's mpiexec, libmpi.so.12 (mpi4py is pointed at it) and its mpicc.
+MPICH = Path(os.environ.get("SHARDAX_MPICH_PREFIX", "/opt/shardax-mpich"))
 HAVE_MPI4PY = importlib.util.find_spec("mpi4py") is not None
 CAN_BUILD = shutil.which("mpicc") is not None and shutil.which("gcc") is not None  # the native call builds here
 needs_mpi = pytest.mark.skipif(MPIRUN is None or not HAVE_MPI4PY,
@@ -107,6 +109,11 @@ def _mpirun(mode: str, devices: int, extra_env: dict[str, str] | None = None, ti
     argv = [mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2"]
     if mpirun == MPIRUN:
         argv[3:3] = ["--mca", "oob_tcp_if_include", "lo"]  # keep Open MPI 4's ORTE on loopback
+    if mpirun.startswith(str(MPICH)):
+        # Hydra passes the whole environment; mpi4py loads MPICH's library, the native call builds with its mpicc.
+        argv = [mpirun, "-n", "2"]
+        env |= {"MPI4PY_LIBMPI": str(MPICH / "lib" / "libmpi.so.12"), "MPICC": str(MPICH / "bin" / "mpicc")}
+        names = []
     for name in names:
         argv += ["-x", name]
     argv += [sys.executable, os.path.abspath(__file__), mode]
@@ -205,6 +212,25 @@ def test_every_collective_same_through_mpi_and_gloo_open_mpi_5() -> None:
     reports = _reports(out)
     assert sorted(r["process"] for r in reports) == [0, 1], out[-6000:]
     assert all(r["transport"] == "mpi" and r["failures"] == [] for r in reports), reports
+
+
+@pytest.mark.multiprocess
+@pytest.mark.mpi
+@pytest.mark.skipif(not HAVE_MPI4PY or not os.access(MPICH / "bin" / "mpiexec", os.X_OK),
+                    reason=f"needs mpi4py and MPICH's mpiexec in {MPICH} (bash .ci/cluster-setup.sh, or set "
+                           "SHARDAX_MPICH_PREFIX)")
+def test_every_collective_same_through_mpi_and_gloo_mpich() -> None:
+    """MPICH's Hydra names no job and no host of rank 0: ``sx.initialize`` finds the run from ``PMI_RANK`` and
+    ``PMI_SIZE`` and the ranks agree on the coordinator through MPI; the native call is built with MPICH's mpicc
+    (another MPI ABI: integer handles, not pointers) and carries the collectives over every device."""
+    code, out = _mpirun("checks", 4, mpirun=str(MPICH / "bin" / "mpiexec"))
+    assert code == 0, f"mpiexec exited with {code}:\n{out[-6000:]}"
+    reports = _reports(out)
+    assert sorted(r["process"] for r in reports) == [0, 1], out[-6000:]
+    for r in reports:
+        assert r["transport"] == "mpi" and r["failures"] == [] and r["checked"] >= 20, r
+        assert r["source"] == "hydra" and r["library"].startswith("MPICH"), r
+        assert "native FFI call" in r["how"] and set(r["native"]) == {"allreduce", "alltoall", "ragged"}, r
 
 
 @pytest.mark.multiprocess
@@ -411,10 +437,14 @@ def _worker(mode: str) -> None:
     failures += _references(through_mpi, w.device_count, local)
     if not (mpi_traced and all(mpi_traced)) or not gloo_traced or any(gloo_traced):
         failures.append(f"the transports were not both traced: mpi {mpi_traced}, gloo {gloo_traced}")
+    from mpi4py import MPI
+
     from shardax import _mpi_native
+    from shardax.runtime import _initialize
 
     report = {"process": jax.process_index(), "transport": transport, "checked": len(through_mpi),
-              "failures": failures, "native": dict(_mpi_prim.native_lowerings), "how": _mpi_native.reason()}
+              "failures": failures, "native": dict(_mpi_prim.native_lowerings), "how": _mpi_native.reason(),
+              "source": getattr(_initialize._started, "source", None), "library": MPI.Get_library_version().strip()}
     print("REPORT " + json.dumps(report), flush=True)
 
 

@@ -64,6 +64,21 @@ def test_detect_openmpi4_and_5():
         _env.detect({**env5, "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "PMIX_NAMESPACE": "weird"})
 
 
+def test_detect_mpich_hydra(monkeypatch: pytest.MonkeyPatch):
+    env = {"PMI_RANK": "1", "PMI_SIZE": "2", "PMI_FD": "9", "MPI_LOCALNRANKS": "2", "MPI_LOCALRANKID": "1"}
+    assert _env.detect(env) == _env.LaunchInfo(None, 2, 1, "hydra")  # rank 0's address: agreed through MPI
+    assert _env.detect({**env, _env.ENV_COORDINATOR: "node3:7000"}).coordinator_address == "node3:7000"
+    assert _env.detect({**env, "PMI_SIZE": "1", "PMI_RANK": "0"}).num_processes == 1
+    assert _env.detect({**env, "SLURM_JOB_ID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1",
+                        "SLURM_STEP_NODELIST": "n1"}).source == "slurm"  # srun --mpi=pmi2 sets PMI_RANK too
+    # Without an MPI to agree through, the run is refused with the fix, never run as separate single processes.
+    from shardax.runtime import _initialize
+
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    with pytest.raises(sx.DistributedSetupError, match=r"hydra: rank 1 of 2.*SHARDAX_COORDINATOR_ADDRESS"):
+        _initialize._coordinator_through_mpi(_env.detect(env))
+
+
 def test_world_and_grid_in_one_process():
     w = sx.initialize()
     assert w == sx.world()

@@ -18,7 +18,8 @@ A process started by a launcher inside a run must not inherit the run's place: :
 the base environment of every process shardax starts.
 
 Sources, in the order :func:`shardax.initialize` tries them: explicit arguments, the launcher's variables, Slurm,
-Open MPI 4 (ORTE), Open MPI 5 (PRRTE/PMIx, which JAX's own detection misses), else one process.
+Open MPI 4 (ORTE), Open MPI 5 (PRRTE/PMIx, which JAX's own detection misses), MPICH's Hydra (also Intel MPI's:
+``PMI_RANK``/``PMI_SIZE``, which JAX does not read either), else one process.
 """
 
 from __future__ import annotations
@@ -62,8 +63,10 @@ class LaunchInfo:
     coordinator_address: str | None
     num_processes: int
     process_id: int
-    source: str  # "explicit" | "shardax-launch" | "slurm" | "openmpi4" | "openmpi5" | "single"
+    source: str  # "explicit" | "shardax-launch" | "slurm" | "openmpi4" | "openmpi5" | "hydra" | "single"
     cpu_devices: int | None = None
+    # None with several processes: the launcher does not say where rank 0 is, the ranks agree through MPI
+    # (:func:`shardax.initialize` does it with mpi4py).
 
 
 def _port_from(text: str) -> int:
@@ -154,10 +157,22 @@ def from_openmpi5(env: Mapping[str, str]) -> LaunchInfo | None:
     return LaunchInfo(address, n, _int_var(env, "OMPI_COMM_WORLD_RANK"), "openmpi5")
 
 
+def from_hydra(env: Mapping[str, str]) -> LaunchInfo | None:
+    """MPICH's ``mpiexec`` (Hydra, also Intel MPI's) sets ``PMI_RANK`` and ``PMI_SIZE`` and nothing that names the job
+    or the host of rank 0: the coordinator address is left unset for the ranks to agree on through MPI (rank 0
+    offers a free port on its host), unless ``SHARDAX_COORDINATOR_ADDRESS`` gives it."""
+    if "PMI_RANK" not in env or "PMI_SIZE" not in env:
+        return None
+    n = _int_var(env, "PMI_SIZE")
+    if n == 1:
+        return LaunchInfo(None, 1, 0, "hydra")
+    return LaunchInfo(env.get(ENV_COORDINATOR), n, _int_var(env, "PMI_RANK"), "hydra")
+
+
 def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:
     """This process's place in the run from the environment alone (no explicit arguments)."""
     env = os.environ if env is None else env
-    for source in (from_launcher, from_slurm, from_openmpi4, from_openmpi5):
+    for source in (from_launcher, from_slurm, from_openmpi4, from_openmpi5, from_hydra):
         info = source(env)
         if info is not None:
             return info

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import socket
 import sys
 import threading
 
@@ -61,6 +63,40 @@ def _abort_on_uncaught_exception() -> None:
     sys.excepthook = hook
 
 
+def _coordinator_through_mpi(info: LaunchInfo) -> LaunchInfo:
+    """``info`` with the coordinator address agreed through MPI, for launchers that do not say where rank 0 is
+    (MPICH's Hydra): rank 0 offers a free port on its host (``127.0.0.1`` when every rank shares its node), every
+    rank receives it.
+
+    Raises:
+        DistributedSetupError: mpi4py or its MPI library cannot be loaded, or MPI's world is not the launcher's.
+    """
+    fix = ("pip install \"shardax[mpi]\" (mpi4py, with the MPI library that started the run), or set "
+           "SHARDAX_COORDINATOR_ADDRESS=HOST:PORT (a free port on the host of rank 0) in every rank")
+    try:
+        from mpi4py import MPI
+    except Exception as err:  # ImportError, or mpi4py's RuntimeError when no MPI library loads
+        raise DistributedSetupError(f"this process was started by an MPI launcher ({info.source}: rank "
+                                    f"{info.process_id} of {info.num_processes}) that does not say where rank 0 "
+                                    f"is; the ranks agree on it through MPI, which could not start "
+                                    f"({type(err).__name__}: {err}): {fix}") from err
+    comm = MPI.COMM_WORLD
+    if (comm.Get_size(), comm.Get_rank()) != (info.num_processes, info.process_id):
+        raise DistributedSetupError(f"the launcher says rank {info.process_id} of {info.num_processes} but mpi4py's "
+                                    f"MPI says rank {comm.Get_rank()} of {comm.Get_size()}: mpi4py loads another MPI "
+                                    f"library than the launcher's (MPI4PY_LIBMPI selects it); or {fix}")
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    one_node = node.Get_size() == comm.Get_size()
+    node.Free()
+    address = None
+    if comm.Get_rank() == 0:
+        host = "127.0.0.1" if one_node else socket.gethostname()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("127.0.0.1" if one_node else "", 0))
+            address = f"{host}:{probe.getsockname()[1]}"
+    return dataclasses.replace(info, coordinator_address=comm.bcast(address, root=0))
+
+
 def _start_transport(num_processes: int) -> None:
     """Choose the transport of ``sx.comm`` between processes; with MPI, start it now (``MPI_Init_thread``)."""
     transport, reason = choose_transport(num_processes)
@@ -75,7 +111,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     """Join the multi-process run this process belongs to and return its :class:`World`.
 
     Sources, in order: explicit arguments; the variables ``shardax launch`` sets (``SHARDAX_*``); cluster detection
-    (Slurm, Open MPI 4 and Open MPI 5/PMIx); else a single process (``jax.distributed`` is not started).
+    (Slurm, Open MPI 4, Open MPI 5/PMIx, and MPICH's Hydra, whose ranks agree on rank 0's address through MPI);
+    else a single process (``jax.distributed`` is not started).
     Idempotent: a second call with compatible arguments returns the same world. On CPU it keeps cross-process
     collectives on (gloo) so that ``psum`` and friends work between processes, and picks the transport of
     ``sx.comm``'s collectives between processes: MPI when an MPI launcher started the run and ``mpi4py`` is
@@ -120,6 +157,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             info = LaunchInfo(coordinator_address, num_processes, process_id, "explicit", cpu_devices)
     else:
         info = detect()
+        if info.num_processes > 1 and info.coordinator_address is None and _started is None:
+            info = _coordinator_through_mpi(info)  # (a collective: not again once joined)
     if cpu_devices is None:
         cpu_devices = info.cpu_devices
     if cpu_devices is not None and (not isinstance(cpu_devices, int) or cpu_devices < 1):
