@@ -86,6 +86,36 @@ def test_limited_cpus_restores_every_thread() -> None:
             pass
 
 
+_FIRST_COMPILE_INSIDE = """
+import json, os
+import jax, jax.numpy as jnp
+from shardax.runtime import limited_cpus
+
+def tasks():
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+before = tasks()
+with limited_cpus(1):  # the process's first compilation: XLA starts its code generation threads now
+    jax.jit(lambda x: [jnp.sin(x * k) + k for k in range(40)]).lower(jnp.ones(1000)).compile()
+    print(json.dumps(sorted({c for t in tasks() - before for c in os.sched_getaffinity(t)})))
+"""
+
+
+@linux_two_cpus
+def test_code_generation_threads_started_inside_limited_cpus_use_every_cpu() -> None:
+    # A thread starts with its starter's CPUs: XLA's code generation threads, started by the first compilation of a
+    # process inside limited_cpus, all shared the compiling thread's one CPU, and every compilation of the process
+    # ran on one core (FoF's first call on 8 devices 11.3 s, 8.2 s with them spread).
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FIRST_COMPILE_INSIDE], capture_output=True, text=True, timeout=120,
+                          check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    cpus = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(cpus) >= 2, f"the threads XLA started inside limited_cpus(1) run on CPUs {cpus} only"
+
+
 def _partitioned(compiled_text: str) -> int:
     """Operations XLA:CPU split into 2 parts (the split it sizes by the compiling thread's CPUs on 2 CPUs)."""
     return compiled_text.count('"outer_dimension_partitions":["2"]')

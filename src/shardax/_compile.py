@@ -13,6 +13,11 @@ devices)`` of its CPUs (different threads on different CPUs, so the compilation 
 then the threads get their CPUs back. The program runs on all of them. ``SHARDAX_CPU_SPLIT`` overrides the rule:
 ``system`` keeps XLA's own split, a positive integer sets the CPUs the compiler sees.
 
+XLA:CPU generates the machine code of a program in parallel, on threads it starts at its first compilation in the
+process; a thread starts with the CPUs of the thread that starts it. Started inside :func:`limited_cpus`, they would
+all share one CPU for the rest of the process and every compilation would run on one core. So :func:`limited_cpus`
+first has XLA start them unpinned (one trivial compilation, once per process).
+
 The particle kernels' CPU programs also choose XLA's per-op emitters (:func:`particle_compiler_options`,
 ``SHARDAX_CPU_EMITTERS``), which compile them faster and run them as fast.
 """
@@ -68,6 +73,31 @@ def split_cpus(devices: Sequence[Any], env: dict[str, str] | None = None) -> int
     return None if want >= len(allowed) else want
 
 
+_compiler_threads_started = False
+
+
+def _start_compiler_threads() -> None:
+    """Compile one trivial CPU program now, with this thread's CPUs, unless done before: XLA:CPU starts its code
+    generation threads at its first compilation, and a thread inherits the CPUs of the thread that starts it (module
+    docstring). The compilation goes straight to XLA, past JAX's persistent cache (a hit there would compile
+    nothing)."""
+    global _compiler_threads_started
+    if _compiler_threads_started:
+        return
+    _compiler_threads_started = True
+    device = jax.devices("cpu")[0]
+    arg = jax.ShapeDtypeStruct((), np.float32, sharding=jax.sharding.SingleDeviceSharding(device))
+    lowered = jax.jit(lambda x: x + 1).lower(arg)
+    try:
+        from jax._src import compiler
+        from jax._src.lib import xla_client
+
+        compiler.backend_compile_and_load(device.client, lowered.compiler_ir(), xla_client.DeviceList((device,)),
+                                          compiler.get_compile_options(num_replicas=1, num_partitions=1), [])
+    except Exception:  # JAX's internals moved: the public path (served by the persistent cache if one holds it)
+        lowered.compile()
+
+
 def _threads() -> list[int]:
     try:
         return [int(t) for t in os.listdir("/proc/self/task")]
@@ -81,9 +111,10 @@ def limited_cpus(count: int) -> Iterator[None]:
 
     The threads get different CPUs in turn (thread ``i`` the ``count`` CPUs from position ``i * count`` of the
     allowed set, wrapping around), so that work spread over several threads, like XLA's parallel code generation,
-    still runs on every CPU while each thread sees only ``count``. Each thread's CPUs are restored on exit; threads
-    started inside get the process's CPUs. Nothing happens where affinity cannot be set (not Linux) or ``count``
-    covers every allowed CPU.
+    still runs on every CPU while each thread sees only ``count``; XLA's code generation threads are started first
+    if no compilation has started them yet. Each thread's CPUs are restored on exit, and threads started inside
+    (which start with their starter's CPUs) get the process's CPUs then. Nothing happens where affinity cannot be
+    set (not Linux) or ``count`` covers every allowed CPU.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -102,6 +133,7 @@ def limited_cpus(count: int) -> Iterator[None]:
         return
     cpus = sorted(allowed)
     with _LOCK:
+        _start_compiler_threads()
         saved: dict[int, set[int]] = {}
         for i, tid in enumerate(sorted(_threads())):
             subset = {cpus[(i * count + j) % len(cpus)] for j in range(count)}
