@@ -88,13 +88,19 @@ def _coordinator_through_mpi(info: LaunchInfo) -> LaunchInfo:
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     one_node = node.Get_size() == comm.Get_size()
     node.Free()
-    address = None
+    offer: tuple[str | None, str] = (None, "")
     if comm.Get_rank() == 0:
         host = "127.0.0.1" if one_node else socket.gethostname()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind(("127.0.0.1" if one_node else "", 0))
-            address = f"{host}:{probe.getsockname()[1]}"
-    return dataclasses.replace(info, coordinator_address=comm.bcast(address, root=0))
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                probe.bind(("127.0.0.1" if one_node else "", 0))
+                offer = (f"{host}:{probe.getsockname()[1]}", "")
+        except OSError as err:  # every rank must leave the broadcast, and each says why
+            offer = (None, f"rank 0 could not find a free port on {host} ({err})")
+    address, problem = comm.bcast(offer, root=0)
+    if address is None:
+        raise DistributedSetupError(f"{problem}: set SHARDAX_COORDINATOR_ADDRESS=HOST:PORT in every rank")
+    return dataclasses.replace(info, coordinator_address=address)
 
 
 def _start_transport(num_processes: int) -> None:
