@@ -227,15 +227,20 @@ def test_smap_hands_compiler_options_to_xla() -> None:
 
 
 def test_local_views_called_eagerly_run_as_one_program() -> None:
-    """``fof`` and ``zsort`` called outside any trace run as one compiled program (after their checks on the
-    concrete arguments), not one dispatch per operation: eagerly, FoF compiled 172 small programs on its first
-    call and ran 33x slower than ``jax.jit(fof)`` on every call. Their results are the jitted local view's."""
+    """``fof``, ``zsort`` and ``knn`` called outside any trace run as one compiled program (after their checks on
+    the concrete arguments), not one dispatch per operation: eagerly, FoF compiled 172 small programs on its first
+    call and ran 33x slower than ``jax.jit(fof)`` on every call, kNN with ``zorder=True`` 74. Their results are the
+    jitted local view's."""
     pos = jnp.asarray(np.random.default_rng(3).random((2000, 3), dtype=np.float32))
     part = sx.particles.Particles(pos=pos, num=jnp.int32(1990))
+    ided = sx.particles.with_ids(part)
     calls = {"fof": (lambda: sx.spatial.fof(part, 0.05, box=1.0, min_members=2),
                      jax.jit(lambda p: sx.spatial.fof(p, 0.05, box=1.0, min_members=2))),
              "zsort": (lambda: sx.particles.zsort(part, box=1.0, return_domain=True),
-                       jax.jit(lambda p: sx.particles.zsort(p, box=1.0, return_domain=True)))}
+                       jax.jit(lambda p: sx.particles.zsort(p, box=1.0, return_domain=True))),
+             "knn": (lambda: sx.spatial.knn(part, 5, box=1.0), jax.jit(lambda p: sx.spatial.knn(p, 5, box=1.0))),
+             "knn zorder": (lambda: sx.spatial.knn(ided, 5, box=1.0, zorder=True),
+                            jax.jit(lambda p: sx.spatial.knn(ided, 5, box=1.0, zorder=True)))}
     with compilations() as compiles:
         for name, (eager, _) in calls.items():
             for attempt, most in (("first", 25), ("second", 0)):

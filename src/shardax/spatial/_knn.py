@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from .. import _flags
 from .._bounds import bounds_layout, check_bounds, check_local, mapped_bounds
 from .._compile import particle_compiler_options
+from .._eager import is_concrete, run_compiled
 from .._errors import CapacityError
 from .._morton import as_vector, given_box_values
 from .._pytree import check_count, particle_set
@@ -242,9 +243,8 @@ def _knn(part: Any, k: int, *, box: Box, query: Any, reduce: Reduce | None, ghos
     if zorder and hasattr(part, "pos") and not hasattr(part, "ids"):
         raise TypeError(f"knn: zorder=True needs a particle pytree with an ids field (e.g. shardax.particles."
                         f"Particles) to say which particle each sorted row is; {type(part).__name__} has none")
-    if query is None:
-        qpos, qvalid, qpart = pos, valid, part
-    else:
+    qpos, qvalid = pos, valid
+    if query is not None:
         qpos, qvalid = _positions(query, "query")
         if qpos.shape[1] != dim:
             raise ValueError(f"knn: query has {qpos.shape[1]}-dimensional positions but part has {dim}; pass points "
@@ -256,14 +256,49 @@ def _knn(part: Any, k: int, *, box: Box, query: Any, reduce: Reduce | None, ghos
                 rank_info().size == 1:
             _check_extent(_extent(jnp.concatenate([pos, qpos]), jnp.concatenate([valid, qvalid])), pos.dtype, dim,
                           "part and query")
-        qpart = query if hasattr(query, "pos") else Particles(pos=qpos, num=jnp.sum(qvalid, dtype=jnp.int32))
-    boxv = _box_vector(box, dim, pos.dtype)
+    _check_box(box, dim, pos.dtype)
     check_local(pos, valid, box, "knn: part")
     if query is not None:
         check_local(qpos, qvalid, box, "knn: query")
     if reduce is not None and not callable(reduce):
         raise TypeError(f"knn: reduce must be a callable reduce(distances=, indices=, part=), got {reduce!r}")
+    options = _Search(k=k, box=None, ghost_capacity=ghost_capacity, zorder=zorder, tuning=tuning)
+    # Called outside any trace on one device: one program, not one dispatch per operation (with a reduce callable
+    # it stays eager: a new function object on each call would compile again).
+    if reduce is None and rank_info().size == 1 and is_concrete((part, query, box)):
+        return run_compiled(_search_of, (part, query), options._replace(box=_static_box(box)))
+    return _search(part, query, box, reduce, options)
 
+
+class _Search(NamedTuple):
+    """The static options of the search that follows :func:`_knn`'s checks (``box`` as Python numbers, for
+    :func:`_search_of`)."""
+
+    k: int
+    box: float | tuple[float, ...] | None
+    ghost_capacity: int | None
+    zorder: bool
+    tuning: KnnTuning | None
+
+
+def _search_of(arrays: tuple[Any, Any], options: _Search) -> tuple[KnnResult, Flags, Any]:
+    """:func:`_search` of ``arrays`` (the particles, and the query or None) and the static ``options``."""
+    part, query = arrays
+    return _search(part, query, options.box, None, options)
+
+
+def _search(part: Any, query: Any, box: Box, reduce: Reduce | None, options: _Search
+            ) -> tuple[KnnResult, Flags, Any]:
+    """The search of :func:`_knn` on checked arguments: this device's results, buffer flags and z-sorted rows."""
+    k, ghost_capacity, zorder, tuning = options.k, options.ghost_capacity, options.zorder, options.tuning
+    pos, valid = _positions(part, "part")
+    n, dim = pos.shape
+    if query is None:
+        qpos, qvalid, qpart = pos, valid, part
+    else:
+        qpos, qvalid = _positions(query, "query")
+        qpart = query if hasattr(query, "pos") else Particles(pos=qpos, num=jnp.sum(qvalid, dtype=jnp.int32))
+    boxv = _box_vector(box, dim, pos.dtype)
     ids = getattr(part, "ids", None)
     size = rank_info().size
     if ids is None:
