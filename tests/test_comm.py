@@ -104,7 +104,7 @@ def test_exchange_bad_destination_is_overflow():
         _, num, overflow = sx.comm.exchange({"pos": jnp.zeros((4, 2))}, dest, num=4, capacity=8)
         return num[None], overflow[None]
 
-    num, overflow = sx.smap(f, in_specs=(), out_specs=P("x"), mesh=mesh, expand=False)()
+    num, overflow = sx.smap(f, in_specs=(), out_specs=P("x"), mesh=mesh, expand=False, jit=True)()
     assert overflow.tolist() == [True, True]
     assert num.tolist() == [4, 2]
 
@@ -141,8 +141,8 @@ def test_ragged_path_plan_and_lowering():
         axes = sx.rank_info().axis_names
         return _alltoallv.ragged_plan(c, _alltoallv._exchange_counts(c, axes), capacity, axes)
 
-    io, ss, oo, rs = (np.asarray(a) for a in sx.smap(plan, in_specs=P(sx.ALL), out_specs=P(sx.ALL),
-                                                       mesh=mesh)(jnp.asarray(counts)))
+    io, ss, oo, rs = (np.asarray(a) for a in sx.smap(plan, in_specs=P(sx.ALL), out_specs=P(sx.ALL), mesh=mesh,
+                                                       jit=True)(jnp.asarray(counts)))
     emulated = np.zeros((size, capacity, 2), np.int32)
     for s in range(size):
         for j in range(size):
@@ -151,7 +151,8 @@ def test_ragged_path_plan_and_lowering():
     for j in range(size):
         assert rs[j].sum() == min(counts[:, j].sum(), capacity)
     chunked = sx.smap(lambda x, c: sx.comm.alltoallv(x, c, capacity=capacity, impl="chunked")[0],
-                      in_specs=P(sx.ALL), out_specs=P(sx.ALL), mesh=mesh)(jnp.asarray(rows), jnp.asarray(counts))
+                      in_specs=P(sx.ALL), out_specs=P(sx.ALL), mesh=mesh, jit=True)(jnp.asarray(rows),
+                                                                                    jnp.asarray(counts))
     np.testing.assert_array_equal(emulated, chunked)
 
     def ragged(x, c):

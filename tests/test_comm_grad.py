@@ -90,8 +90,9 @@ def test_alltoallv_check_grads():
         return jnp.sin(data)
 
     f = sx.smap(body, in_specs=(P(sx.ALL), P(sx.ALL)), out_specs=P(sx.ALL), mesh=mesh)
-    check_grads(lambda x: f(x, counts), (x,), order=1, modes=("rev",), atol=2e-2, rtol=2e-2)
-    grad = np.asarray(jax.grad(lambda x: jnp.sum(f(x, counts)))(x))
+    fn = jax.jit(lambda x: f(x, counts))  # compiled: eager, every operation of the differentiation compiles alone
+    check_grads(fn, (x,), order=1, modes=("rev",), atol=2e-2, rtol=2e-2)
+    grad = np.asarray(jax.jit(jax.grad(lambda x: jnp.sum(fn(x))))(x))
     assert np.all(np.isfinite(grad)) and np.count_nonzero(grad) > 0   # the bug this guards against: all zeros
 
 
@@ -158,9 +159,10 @@ def test_exchange_forward_unchanged_by_grad():
         moved, num, _ = sx.comm.exchange({"pos": pos}, dest, num=10, capacity=30)
         return moved["pos"], num[None]
 
-    f = sx.smap(body, in_specs=(P(sx.ALL), P(sx.ALL)), out_specs=P(sx.ALL), mesh=mesh)
+    f = sx.smap(body, in_specs=(P(sx.ALL), P(sx.ALL)), out_specs=P(sx.ALL), mesh=mesh, jit=True)
     plain, num = f(pos, dest)
-    (value, aux), _ = jax.value_and_grad(lambda p: (jnp.sum(f(p, dest)[0] ** 2), f(p, dest)), has_aux=True)(pos)
+    (value, aux), _ = jax.jit(jax.value_and_grad(lambda p: (jnp.sum(f(p, dest)[0] ** 2), f(p, dest)),
+                                                 has_aux=True))(pos)
     np.testing.assert_array_equal(np.asarray(aux[0]), np.asarray(plain))
     np.testing.assert_array_equal(np.asarray(aux[1]), np.asarray(num))
     np.testing.assert_allclose(float(value), float(np.sum(np.asarray(plain) ** 2)), rtol=1e-6)
@@ -178,10 +180,10 @@ def test_placed_exchange_grad_raises():
                                       target=rank * 4 + jnp.arange(4, dtype=jnp.int32))
         return jnp.sum(out)[None]
 
-    f = sx.smap(body, in_specs=P(sx.ALL), out_specs=P(sx.ALL), mesh=mesh)
+    f = sx.smap(body, in_specs=P(sx.ALL), out_specs=P(sx.ALL), mesh=mesh, jit=True)
     assert float(jnp.sum(f(x))) == 32.0  # forward still works
     with pytest.raises(NotImplementedError, match="no gradient through an exchange that places rows"):
-        jax.grad(lambda x: jnp.sum(f(x)))(x)
+        jax.jit(jax.grad(lambda x: jnp.sum(f(x))))(x)
 
 
 def _paint_grad(mesh_shape, pos: np.ndarray, mass: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, ...]:

@@ -184,6 +184,7 @@ def growth(cosmo: Cosmology, a: Any) -> Growth:
     return _growth(cosmo, jnp.asarray(a, jnp.result_type(float)))
 
 
+@jax.jit  # one program (called eagerly, each operation of the interpolation would compile on its own)
 def _growth(cosmo: Cosmology, a: jax.Array) -> Growth:
     values, derivs = _growth_table(cosmo)
     return interpolate_growth(cosmo, values, derivs, a)
