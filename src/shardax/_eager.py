@@ -2,8 +2,9 @@
 
 Called with concrete arrays outside ``jax.jit`` and ``smap``, a local view such as ``sx.spatial.fof`` would run
 operation by operation: every operation dispatched (and compiled, the first time) on its own. The local views whose
-work is many small operations (FoF, the z-order sort) pass such calls to :func:`run_compiled` instead, after their
-argument checks (which need the concrete values). Inside a trace they run as they are, part of the caller's program.
+work is many small operations (FoF, the z-order sort, kNN) pass such calls to :func:`run_compiled` instead, after
+their argument checks (which need the concrete values). Inside a trace they run as they are, part of the caller's
+program.
 """
 
 from __future__ import annotations
