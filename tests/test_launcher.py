@@ -94,7 +94,15 @@ def test_lines_are_whole_and_gloo_reports_cut_out() -> None:
     # Reports of several gloo threads printed into each other are chatter; a line that only mentions gloo is not.
     mixed = (b"[Gloo] Rank [Gloo] Rank 01 is connected to  is connected to 77 peer ranks.  peer ranks. Expected "
              b"number of connected peer ranks is : Expected number of connected peer ranks is : 77\n")
-    assert a.feed(mixed) == [Line(mixed.decode().strip(), chatter=True)]
+    # Each report ends with its own newline: the ends of those printed into the line before (the last number, or
+    # nothing) come as lines of their own, and are chatter; a user's line of numbers after a whole line is not.
+    assert a.feed(mixed + b"\n") == [Line(mixed.decode().strip(), chatter=True), Line("", chatter=True)]
+    tails = (b"[Gloo] Rank 0 is connected to [Gloo] Rank 1 is connected to 7 peer ranks. 7 peer ranks. Expected "
+             b"number of connected peer ranks is : Expected number of connected peer ranks is : 7\n")
+    assert a.feed(tails + b"7\n12 34\n" + tails + b"\n") == [
+        Line(tails.decode().strip(), chatter=True), Line("7", chatter=True), Line("12 34"),
+        Line(tails.decode().strip(), chatter=True), Line("", chatter=True)]
+    assert a.feed(b"7\n") == [Line("7")]
     assert a.feed(b"notes on [Gloo] Rank 0: is connected to 7 peer ranks. slow\n")[0].chatter is False
     # gloo's report of missing peers is shown, as a line of its own.
     assert a.feed(b"half [Gloo] Rank 2 is NOT connected to: [0, 1]\nline\n") == [

@@ -6,7 +6,9 @@ connection report (``[Gloo] Rank 0 is connected to 7 peer ranks. Expected number
 to the same file descriptor from its own threads, so the report can land between two pieces of one user line. The
 assembler cuts every complete report out wherever it lands, gives it as a line of its own, and joins the pieces of
 the user's line again. Reports that several gloo threads printed into each other are still recognised as chatter
-when the line holds nothing else.
+when the line holds nothing else; each report ends with its own newline, so the ends of the others (their last
+numbers, or nothing) follow as lines of their own and are chatter too (a line of only digits and spaces, right
+after such a line, is taken for one).
 """
 
 from __future__ import annotations
@@ -67,11 +69,12 @@ class LineAssembler:
 
     def __init__(self) -> None:
         self._pending = b""
+        self._owed = 0  # newlines of reports printed into an earlier line, still to come
 
     def feed(self, data: bytes) -> list[Line]:
         """The lines that ``data`` completes."""
         buf = self._pending + data
-        if not any(word in buf for word in _CLUES):  # the common case: split, nothing to look for
+        if not self._owed and not any(word in buf for word in _CLUES):  # the common case: split, nothing to look for
             *complete, self._pending = buf.split(b"\n")
             lines = [Line(_decode(raw)) for raw in complete]
         else:
@@ -91,14 +94,23 @@ class LineAssembler:
                 lines.append(Line(_decode(report.group()), report.group("chatter") is not None))
                 buf, start = raw[:report.start()] + buf[end + 1:], 0
             else:
-                lines.append(Line(_decode(raw), _is_chatter(raw)))
+                lines.append(Line(_decode(raw), self._chatter(raw)))
                 start = end + 1
         self._pending = buf[start:]
         return lines
 
+    def _chatter(self, raw: bytes) -> bool:
+        """Whether the whole line ``raw`` is pieces of reports; counts the newlines of those it started."""
+        owed = self._owed and _ONLY_NUMBERS.fullmatch(raw) is not None
+        if not (owed or _is_chatter(raw)):
+            self._owed = 0
+            return False
+        self._owed = max(0, self._owed + raw.count(b"[Gloo] Rank") - 1)
+        return True
+
     def close(self) -> list[Line]:
         """The last line if the process ended without a newline (a partial line is given whole)."""
-        raw, self._pending = self._pending, b""
+        raw, self._pending, self._owed = self._pending, b"", 0
         return [Line(_decode(raw), _is_chatter(raw))] if raw else []
 
 
