@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -325,6 +326,14 @@ def multiprocess_body() -> list[np.ndarray]:
         out += [i, d]  # checked against one device by the caller
     out.append(check_zorder(mesh, uniform, periodic, fields=False))
     out += run_on_mesh(mesh, every_phase_points(), None, 9, SMALL_TUNING)  # checked against one device by the caller
+    # No particles on any process (the uniform case's rows, all padding; its program is reused): k is refused
+    # after the run, on every process, as only the devices can count the particles of every process.
+    part = sx.particles.from_numpy(np.array_split(uniform, jax.process_count())[jax.process_index()], mesh=mesh)
+    try:
+        knn.smap(mesh)(dataclasses.replace(part, num=part.num * 0), 9, box=periodic, tuning="cpu")
+        out.append(np.array("no error"))
+    except ValueError as err:
+        out.append(np.array(str(err)))
     return out
 
 
@@ -336,6 +345,8 @@ def test_two_processes() -> None:
     small = jitted(9, None, tuning=SMALL_TUNING)(jnp.asarray(every_phase_points()))
     ones = [knn(jnp.asarray(p), 9, box=b, tuning="cpu") for p, b in distributed_cases(np.random.default_rng(8))]
     for res in results:
+        assert "k=9 is larger than the number of particles (0)" in str(res[-1]), res[-1]
+        res = res[:-1]
         # Every phase of the local search, on 2 processes: the integers of one device in this process.
         np.testing.assert_array_equal(res[-1], np.asarray(small.indices))
         np.testing.assert_array_equal(res[-2], np.asarray(small.distances))

@@ -184,12 +184,13 @@ def run_bucket_cases(mesh: Mesh) -> list[str]:
 
     ndev = mesh.devices.size
     done = []
+    # One program per box for every case (the same shapes): named bodies, the same program on every process.
+    sorts = {box: smap(body, in_specs=(ALL,), out_specs=ALL, mesh=mesh, jit=True)
+             for box, body in ((None, _bucket_open), (1.0, _bucket_periodic))}
     for name, (pos, counts) in cases(np.random.default_rng(0), ndev).items():
         part = layout(mesh, pos, counts, cap=N)
         inp = squeeze(part)
-        for box in (None, 1.0):
-            body = _bucket_open if box is None else _bucket_periodic  # named: the same program on every process
-            fn = smap(body, in_specs=(ALL,), out_specs=ALL, mesh=mesh, jit=True)
+        for box, fn in sorts.items():
             out, index, home, overflow = fn(part)
             assert not to_host(overflow).any(), name
             got = squeeze(out)
