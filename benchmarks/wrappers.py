@@ -4,7 +4,7 @@ On a mesh of one device a global function (``paint``, ``readout``, ``power_spect
 ``knn.smap`` (k = 9), ``fof.smap`` (b = 0.2 mean spacings), ``fftn``, ``potrs``; all with a periodic box 1) should
 do no more than its local view: no exchange, no count of destinations, no extra passes. ``nbody.lpt`` (2LPT on the
 ``--grid`` particle grid) is timed against ``jax.jit`` of the same global call, and the ``eager local`` rows call
-the local views of FoF and zsort outside any ``jit``: none of them may run operation by operation. Both run
+the local views of FoF, zsort and kNN outside any ``jit``: none of them may run operation by operation. Both run
 in the same process on the same device, timed round-robin (``--repeat`` calls after a warm-up, each call's result
 waited for); the table gives the fastest call of each and their ratio (target: at most 1.1), and the ratio of the
 medians.
@@ -140,6 +140,7 @@ def _kernel_cases(args: argparse.Namespace) -> dict[str, tuple[Callable[[], Any]
                       lambda: jitted_lpt(noise)),
         "fof (eager local)": (lambda: sx.spatial.fof(local, linking_length, box=1.0), lambda: local_fof(local)),
         "zsort (eager local)": (lambda: sx.particles.zsort(local), lambda: local_zsort(local)),
+        "knn (eager local)": (lambda: sx.spatial.knn(local, 9, box=1.0), lambda: local_knn(local)),
     }
 
 
