@@ -168,6 +168,12 @@ def test_degenerate_giant_and_empty() -> None:
             compare_catalogues(got, reference_catalogue(data["pos"], want, None, None, None))
     assert (reference_labels(giant["pos"], 0.2, None, 20) == 0).all()
     assert (reference_labels(lonely["pos"], 0.005, None, 2) == -1).all()
+    # No particles at all (one padding row per device): no group, every label -1. (At 2 x 4 the mixed scenario's
+    # program runs on rows that are all padding: tests/test_fof_multiprocess.py.)
+    mesh = make_mesh((8,))
+    empty = sx.particles.from_numpy(np.zeros((0, 3), np.float32), mesh=mesh)
+    res = fof.smap(mesh)(empty, 0.1, box=1.0, min_members=1)
+    assert np.all(np.asarray(res.labels) == -1) and int(np.asarray(res.catalogue.num).sum()) == 0
 
 
 @pytest.mark.parametrize("shape", [(8,), (2, 4)], ids=["8", "2x4"])
