@@ -102,8 +102,16 @@ def check_local(pos: Any, valid: Any, box: Any, where: str) -> None:
     pos = jnp.asarray(pos)
     if not jnp.issubdtype(pos.dtype, jnp.floating) or pos.ndim != 2:
         return
-    _, lower, upper = _reduce(pos, jnp.asarray(valid) & jnp.all(jnp.isfinite(pos), axis=-1))
+    lower, upper = _local_bounds(pos, jnp.asarray(valid))
     check_bounds(np.asarray(lower), np.asarray(upper), box, where)
+
+
+@jax.jit
+def _local_bounds(pos: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-axis min and max of the valid finite rows of ``pos``: one program for the eager checks (operation by
+    operation, each of the six would compile and dispatch one of its own)."""
+    _, lower, upper = _reduce(pos, valid & jnp.all(jnp.isfinite(pos), axis=-1))
+    return lower, upper
 
 
 def check_part(part: Any, box: Any, where: str) -> None:
