@@ -5,7 +5,7 @@ Needs root and iproute2 (+ iptables where the kernel has no sch_netem); run once
     sudo python benchmarks/network.py                   # markdown tables on stdout
     sudo python benchmarks/network.py --json net.json   # and the raw figures
 
-What it measures (two processes x ``--cpu-devices`` CPU devices, as in tests/test_clusters_netns.py):
+What it measures (two processes x ``--cpu-devices`` CPU devices, as in tests/test_pipeline.py):
 
 1. TCP connect round trip (one SYN/SYN-ACK) between the two processes' hosts: loopback, namespaces, namespaces with
    5 ms delay on every link.

@@ -138,7 +138,7 @@ def _restore_compilation_cache():
 # reordering (by number of tests, off in pyproject.toml) put one-test files of two to three minutes (launches of
 # 2 processes x 4 devices) last. Longest first, by their time in a full run on 2 cores; the rest keep their order.
 _LONGEST_FIRST = ("test_knn", "test_fof", "test_linalg", "test_nbody", "test_zsort", "test_fof_multiprocess",
-                  "test_determinism", "test_docstrings", "test_mpi_transport", "test_halos", "test_comm_grad",
+                  "test_pipeline", "test_docstrings", "test_mpi_transport", "test_halos", "test_comm_grad",
                   "test_clusters_netns", "test_multiprocess", "test_linalg_multiprocess", "test_examples")
 
 

@@ -3,14 +3,12 @@
 :func:`run_pipeline` works in any world (one process with 8 devices, 2 processes x 4 on loopback, 2 network
 namespaces x 4) and returns host NumPy arrays, identical on every process, that depend only on the data and the total
 number of devices: integer results must match exactly across worlds, float results to the dtype's tolerance.
-A stage whose kernel is missing from this checkout (``sx.spatial.fof``) or does not trace inside ``smap`` yet
-(``sx.spatial.knn``, today) is skipped and leaves ``"skipped_<stage>"`` with the reason; callers decide which stages
-may be skipped.
 
 As a script it is one process of a run that its caller placed (``SHARDAX_*`` variables, or srun/mpirun): it calls
-``sx.initialize()``, runs the pipeline once (``"cold"``, compiling), optionally waits for ``--wait-file`` (the caller
-turns faults on meanwhile), runs it ``--repeats`` more times (``"warm"``) and process 0 writes every result and
-the timings to ``--out`` (``.npz``).
+``sx.initialize()``, runs the pipeline once (``"cold"``, compiling), then ``--phases`` phases of ``--repeats`` more
+runs (``"warm"``; before each phase after the first the caller changes the network, e.g. turns faults on), and
+process 0 writes every result and the timings to ``--out`` (``.npz``); with ``--out-others``, every other process
+writes its own results there too.
 """
 
 from __future__ import annotations
@@ -68,8 +66,7 @@ class Pipeline:
         self.comm = sx.smap(comm_body, in_specs=sx.ALL, out_specs=sx.ALL, mesh=self.mesh, jit=True)
         self.zsort = sx.particles.zsort.smap(self.mesh)
         self.knn = sx.smap(knn_body, in_specs=sx.ALL, out_specs=sx.ALL, mesh=self.mesh, jit=True)
-        fof = getattr(sx.spatial, "fof", None)
-        self.fof = None if fof is None else fof.smap(self.mesh)
+        self.fof = sx.spatial.fof.smap(self.mesh)
         self.timings: dict[str, float] = {}
 
     def collectives(self) -> dict[str, np.ndarray]:
@@ -97,18 +94,11 @@ class Pipeline:
         num = _gather(sorted_part.num)
         valid = np.arange(sorted_part.pos.shape[1])[None, :] < num[:, None]
         order = np.argsort(_gather(sorted_part.ids)[valid])
-        try:
-            res = self.knn(sorted_part.pos, sorted_part.num, sorted_part.ids)
-        except (TypeError, ValueError) as err:  # raised while tracing, so the same on every process
-            out["skipped_knn"] = np.array(str(err).split("\n")[0])
-        else:
-            out["knn_indices"] = _gather(res.indices)[valid][order]
-            out["knn_distances"] = _gather(res.distances)[valid][order]
-        if self.fof is None:
-            out["skipped_fof"] = np.array("sx.spatial.fof is not in this checkout")
-        else:
-            labels = self.fof(sorted_part, LINKING_LENGTH, box=1.0, min_members=5).labels
-            out["fof_labels"] = _gather(labels)[valid][order]
+        res = self.knn(sorted_part.pos, sorted_part.num, sorted_part.ids)
+        out["knn_indices"] = _gather(res.indices)[valid][order]
+        out["knn_distances"] = _gather(res.distances)[valid][order]
+        labels = self.fof(sorted_part, LINKING_LENGTH, box=1.0, min_members=5).labels
+        out["fof_labels"] = _gather(labels)[valid][order]
         return out
 
     def dense(self) -> dict[str, np.ndarray]:
@@ -160,7 +150,9 @@ def _same(first: dict[str, np.ndarray], again: dict[str, np.ndarray]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="one process of the multi-host pipeline run")
-    parser.add_argument("--out", required=True, help=".npz written by process 0")
+    parser.add_argument("--out", required=True, help=".npz written by process 0 (results and timings)")
+    parser.add_argument("--out-others", default=None,
+                        help="with {process} in it: the .npz where each other process writes its own results")
     parser.add_argument("--repeats", type=int, default=0, help="warm runs per phase after the first (cold) run")
     parser.add_argument("--phases", type=int, default=1, help="phases of warm runs (e.g. clean, then with faults)")
     parser.add_argument("--sync-dir", default=None,
@@ -200,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         payload |= result | {"cold_s": np.float64(cold), "warm_s": warm,
                              "num_processes": np.int32(world.num_processes), "mode": np.array(world.mode)}
         np.savez(args.out, **payload)
+    elif args.out_others is not None:
+        np.savez(args.out_others.format(process=world.process_id), **result)
     # the watchdog's monitor thread can restart the backend while the interpreter exits (reported to the lead)
     sx.runtime.configure_watchdog(0)
     return 0
