@@ -173,6 +173,11 @@ def test_bad_input() -> None:
         knn(jnp.ones((5, 3), jnp.int32), 2)
     with pytest.raises(TypeError, match="particle pytree"):
         knn([[0.0, 0.0]], 1)
+    # The global view refuses what is not a global particle pytree before anything is traced.
+    with pytest.raises(TypeError, match=r"knn.smap: part must be a global particle pytree with .pos and .num"):
+        knn.smap(make_mesh((2,)))(pos, 3)
+    with pytest.raises(ValueError, match=r"knn.smap: part.pos must have shape \(ndev, n, d\).*call knn\(\) for"):
+        knn.smap(make_mesh((2,)))(part, 3)
 
 
 def distributed_cases(rng: np.random.Generator) -> list[tuple[np.ndarray, float | None]]:

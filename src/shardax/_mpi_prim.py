@@ -200,18 +200,13 @@ def _unit_route(route: host.Route, mpi_rank: np.ndarray, me: int, nprocs: int) -
             return None
         return int(units_from.size), int(units_from[0]), int(units_to[0])
 
-    for t in range(route.src_pos.shape[0]):          # what position t takes from me
-        j = np.flatnonzero(route.src_pos[t] == me)
-        got = runs(route.src_unit[t][j], j)
-        if got is None:
+    for p in range(route.src_pos.shape[0]):
+        to_p = np.flatnonzero(route.src_pos[p] == me)      # what position p takes from me
+        from_p = np.flatnonzero(route.src_pos[me] == p)    # what I take from position p
+        sent, taken = runs(route.src_unit[p][to_p], to_p), runs(route.src_unit[me][from_p], from_p)
+        if sent is None or taken is None:
             return None
-        out[0, mpi_rank[t]], out[1, mpi_rank[t]] = got[0], got[1]
-    for s in range(route.src_pos.shape[0]):          # what I take from position s
-        j = np.flatnonzero(route.src_pos[me] == s)
-        got = runs(route.src_unit[me][j], j)
-        if got is None:
-            return None
-        out[2, mpi_rank[s]], out[3, mpi_rank[s]] = got[0], got[2]
+        out[:, mpi_rank[p]] = sent[0], sent[1], taken[0], taken[2]
     return out.reshape(-1)
 
 

@@ -27,7 +27,7 @@ from .._compile import particle_compiler_options
 from .._eager import is_concrete, run_compiled
 from .._errors import CapacityError
 from .._morton import Box, check_periodic_box
-from .._pytree import check_count, check_positions
+from .._pytree import check_global, check_positions
 from .._tuning import tuning_backend
 from ..core import ALL, attach_global, smap
 from ._domain import Domain, domain_of
@@ -123,13 +123,7 @@ def _constructed(mesh: Mesh | None, jit: bool, donate: bool) -> Callable[..., An
 
     def call(part: Any, *, box: Box | None = None, equalize: bool = True, capacity: int | None = None,
              return_domain: bool = False, num_cells: int = 64) -> Any:
-        if getattr(part, "pos", None) is None or not hasattr(part, "num"):
-            raise TypeError(f"zsort.smap: part must be a global particle pytree with .pos and .num, got "
-                            f"{type(part).__name__}")
-        if jnp.ndim(part.pos) != 3:
-            raise ValueError(f"zsort.smap: part.pos must have shape (ndev, n, d) (e.g. from shardax.particles."
-                             f"from_numpy), got {jnp.shape(part.pos)}; call zsort() for the local view")
-        check_count(part.num, int(jnp.shape(part.pos)[1]), "zsort.smap")
+        check_global(part, "zsort.smap", "zsort")
         dtype = jnp.result_type(part.pos)
         if box is not None and not isinstance(box, Tracer) and dtype in (jnp.float32, jnp.float64):
             check_periodic_box(box, int(jnp.shape(part.pos)[-1]), dtype)  # clear errors before anything is traced

@@ -18,7 +18,7 @@ from .._compile import particle_compiler_options
 from .._eager import is_concrete, run_compiled
 from .._errors import CapacityError
 from .._morton import as_vector, given_box_values
-from .._pytree import check_count, particle_set
+from .._pytree import check_count, check_global, particle_set
 from ..comm import allgather, allreduce, scan
 from ..core import ALL, attach_global, rank_info, smap
 from ..particles import Particles
@@ -347,13 +347,7 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
     def call(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce | None = None,
              ghost_capacity: int | None = None, zorder: bool = False,
              tuning: KnnTuning | TuningName | None = None) -> KnnResult | tuple[KnnResult, Any]:
-        if not (hasattr(part, "pos") and hasattr(part, "num")):
-            raise TypeError(f"knn.smap: part must be a global particle pytree with .pos and .num, got "
-                            f"{type(part).__name__}")
-        if jnp.ndim(part.pos) != 3:
-            raise ValueError(f"knn.smap: part.pos must have shape (ndev, n, d) (e.g. from shardax.particles."
-                             f"from_numpy), got {jnp.shape(part.pos)}; call knn() for the local view")
-        check_count(part.num, int(jnp.shape(part.pos)[1]), "knn.smap")
+        check_global(part, "knn.smap", "knn")
         rows = int(np.prod(jnp.shape(part.pos)[:2]))
         num = part.num
         if isinstance(num, Tracer) or (isinstance(num, jax.Array) and not num.is_fully_addressable):
