@@ -117,14 +117,19 @@ def _growth_jvp(primals: tuple[Cosmology], tangents: tuple[Any]) -> tuple[Any, A
     """The tables' derivative along ``tangents`` as their Jacobian in the parameters (forward mode, all parameters at
     once) times the tangent.
 
-    Differentiated as it is written, a gradient would run the RK4 scan backwards: in the compiled program that
-    transposed scan was five times the forward integration, most of a gradient's compile time. Here the scan is
-    only ever differentiated forwards (a batch of eight tangents through it); what reverse mode transposes is the
-    final product with the tangent."""
+    Differentiated as it is written, a gradient would run the RK4 scan backwards, and that transposed scan is about
+    five times the forward integration in the compiled program: most of a gradient's compile time. Here the scan
+    is only differentiated forwards (one scan carrying a tangent per parameter); what reverse mode transposes is
+    the final product with the tangent."""
     (cosmo,), (tangent,) = primals, tangents
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.result_type(float)), cosmo)
-    out = _integrate_growth(params)
-    jacobian = jax.jacfwd(_integrate_growth)(params)  # per table: a Cosmology of (*table.shape, *parameter.shape)
+
+    def tables_twice(p: Cosmology) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+        tables = _integrate_growth(p)
+        return tables, tables
+
+    # per table: a Cosmology of (*table.shape, *parameter.shape); the tables themselves from the same integration
+    jacobian, out = jax.jacfwd(tables_twice, has_aux=True)(params)
 
     def along(table_jacobian: Cosmology, like: jax.Array) -> jax.Array:
         total = jnp.zeros_like(like)
