@@ -164,7 +164,9 @@ def test_potrf_phases_across_local_blocks(shape, tile):
     layout = BlockCyclic.create(n, tile, mesh.size)
     assert layout.blocks > 16 and layout.blocks % 16 != 0
     a = hpd(n, np.float32, seed=21)
-    close(sx.linalg.potrf(put(a, mesh, "cols"), tile=tile), np.linalg.cholesky(a), np.float32)
+    factor, status = sx.linalg.potrf(put(a, mesh, "cols"), tile=tile, return_status=True)  # (one program: as below)
+    close(factor, np.linalg.cholesky(a), np.float32)
+    assert int(status) == 0
     close(sx.linalg.potri(put(a, mesh, "cols"), tile=tile), np.linalg.inv(a), np.float32, scale=3.0)
     for bad in (27, 151, 200):
         broken = a.copy()
@@ -189,9 +191,12 @@ def test_process_grid(shape, grid, layout, n, tile):
     factor, status = sx.linalg.potrf(ad, tile=tile, grid=grid, return_status=True)
     close(factor, np.linalg.cholesky(a), np.float32)
     assert int(status) == 0 and factor.sharding == ad.sharding
-    x, logdet = sx.linalg.potrs(ad, jnp.asarray(b), tile=tile, grid=grid, return_logdet=True)
+    # (every call with the options of the broken matrices' below: one program each for potrf and potrs)
+    x, logdet, solve_status = sx.linalg.potrs(ad, jnp.asarray(b), tile=tile, grid=grid, return_logdet=True,
+                                              return_status=True)
     close(x, sl.cho_solve(sl.cho_factor(a), b), np.float32)
     close(logdet, np.linalg.slogdet(a.astype(np.float64))[1], np.float32)
+    assert int(solve_status) == 0
     inverse = sx.linalg.potri(ad, tile=tile, grid=grid)
     close(inverse, np.linalg.inv(a), np.float32, scale=3.0)
     assert inverse.sharding == ad.sharding
@@ -201,7 +206,8 @@ def test_process_grid(shape, grid, layout, n, tile):
         broken[bad - 1, bad - 1] = -1.0
         bd = put(broken, mesh, layout)
         factor, status = sx.linalg.potrf(bd, tile=tile, grid=grid, return_status=True)
-        x, solve_status = sx.linalg.potrs(bd, jnp.asarray(b), tile=tile, grid=grid, return_status=True)
+        x, _, solve_status = sx.linalg.potrs(bd, jnp.asarray(b), tile=tile, grid=grid, return_logdet=True,
+                                             return_status=True)
         assert int(status) == int(solve_status) == first_bad_minor(broken) == bad
         assert np.isnan(np.asarray(factor)).all() and np.isnan(np.asarray(x)).all()
 
@@ -357,7 +363,9 @@ def test_recursive_diagonal_blocks(dtype):
     with jax.enable_x64(True):
         a = hpd(n, dtype, seed=12)
         ad = put(a, mesh, "cols")
-        close(sx.linalg.potrf(ad, tile=tile), np.linalg.cholesky(a), dtype)
+        factor, status = sx.linalg.potrf(ad, tile=tile, return_status=True)  # (one program: as below)
+        close(factor, np.linalg.cholesky(a), dtype)
+        assert int(status) == 0
         b = rhs(n, 2, dtype)
         close(sx.linalg.potrs(ad, jnp.asarray(b), tile=tile), sl.cho_solve(sl.cho_factor(a), b), dtype)
         close(sx.linalg.potri(ad, tile=tile), np.linalg.inv(a), dtype, scale=3.0)
@@ -379,7 +387,9 @@ def test_solver_library_path(monkeypatch):
         with jax.enable_x64(True):
             a = hpd(n, np.float64, seed=13)
             ad = put(a, mesh, "replicated")
-            close(sx.linalg.potrf(ad, tile=tile, grid=grid), np.linalg.cholesky(a), np.float64)
+            factor, status = sx.linalg.potrf(ad, tile=tile, return_status=True, grid=grid)  # (as below: one program)
+            close(factor, np.linalg.cholesky(a), np.float64)
+            assert int(status) == 0
             b = rhs(n, 2, np.float64)
             close(sx.linalg.potrs(ad, jnp.asarray(b), tile=tile, grid=grid), sl.cho_solve(sl.cho_factor(a), b),
                   np.float64)
