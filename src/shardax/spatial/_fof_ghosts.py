@@ -65,20 +65,19 @@ class Ghosts(NamedTuple):
     steps: jax.Array  # loop steps of the selection of the rows to send
 
 
-def boundary_chunks(capacity: int, size: int) -> tuple[int, ...]:
-    """Round sizes (a ladder of two, see :func:`~shardax.comm.chunk_ladder`) for the exchanges of boundary rows:
-    ghosts, their labels and the pieces of groups that cross devices.
+def boundary_chunks(capacity: int, size: int) -> int:
+    """Rows per device pair and round for the exchanges of boundary rows: ghosts, their labels and the pieces of
+    groups that cross devices.
 
-    Their traffic goes to a few neighbouring devices in amounts that depend on the data, so each exchange picks the
-    smaller size when it moves the largest count in one round, else the larger (each round is a collective:
-    milliseconds across processes). The larger size is ``2 * capacity / size`` rows per device pair (all of
-    ``capacity`` on two devices), so that a round's buffers stay within about twice the ``capacity`` receive
-    buffer on any number of devices; a device sending more than that to one neighbour takes a few rounds. The
-    smaller is a quarter of it. Each size compiles the exchange's loop once more, so two sizes keep the program
-    (and its compile time) small while light traffic still moves a quarter of the rows.
+    Their traffic goes to a few neighbouring devices in amounts that depend on the data. One size,
+    ``2 * capacity / size`` rows per device pair (all of ``capacity`` on two devices), moves it in one round (each
+    round is a collective: milliseconds across processes) while a round's buffers stay within about twice the
+    ``capacity`` receive buffer on any number of devices; a device sending more than that to one neighbour takes a
+    few rounds. A second, smaller size (a ladder, :func:`~shardax.comm.chunk_ladder`) would move fewer rows when the
+    traffic is light, but every size compiles each exchange's loop once more, and the rows it would save are a small
+    part of FoF's time.
     """
-    top = min(capacity, max(1, -(-2 * capacity // size)))
-    return tuple(sorted({max(1, -(-top // 4)), top}))
+    return min(capacity, max(1, -(-2 * capacity // size)))
 
 
 def send_grouped(columns: dict[str, jax.Array], counts: jax.Array, *, capacity: int,
@@ -90,8 +89,7 @@ def send_grouped(columns: dict[str, jax.Array], counts: jax.Array, *, capacity: 
     One ``alltoallv`` for all columns (it packs the 4- and 8-byte ones into one block per round). ``plan``:
     ``(recv_counts, largest)`` when the route is known (no count exchange). ``chunk``: rows per rank pair and round
     (default ``alltoallv``'s, sized for a sort's memory; :func:`~shardax._exchange.share_chunk` for one
-    round of a whole share; a
-    :func:`boundary_chunks` ladder for one round of boundary traffic, whatever its size).
+    round of a whole share; :func:`boundary_chunks` for boundary traffic).
     Returns ``(columns, recv_counts, overflow)``: ``capacity`` rows grouped by source rank, each source's rows in
     the order they were sent.
     """
