@@ -76,18 +76,16 @@ def check_positions(part: Any, where: str) -> tuple[int, int]:
     return n, int(jnp.shape(pos)[1])
 
 
-def check_global(part: Any, where: str, local: str) -> int:
-    """Rows per device of a global-view particle pytree (``pos (ndev, n, d)``, ``num (ndev,)``), with clear errors
-    for anything else; ``local`` names the local-view function to call instead."""
+def check_global(part: Any, where: str, local: str) -> None:
+    """Clear errors for anything but a global-view particle pytree (``pos (ndev, n, d)``, counts in range);
+    ``local`` names the local-view function to call instead."""
     if getattr(part, "pos", None) is None or not hasattr(part, "num"):
         raise TypeError(f"{where}: part must be a global particle pytree with .pos and .num, got "
                         f"{type(part).__name__}")
     if jnp.ndim(part.pos) != 3:
         raise ValueError(f"{where}: part.pos must have shape (ndev, n, d) (e.g. from shardax.particles.from_numpy), "
                          f"got {jnp.shape(part.pos)}; call {local}() for the local view")
-    n = int(jnp.shape(part.pos)[1])
-    check_count(part.num, n, where)
-    return n
+    check_count(part.num, int(jnp.shape(part.pos)[1]), where)
 
 
 def check_count(num: Any, n: int, where: str, name: str = "part.num") -> None:

@@ -65,7 +65,7 @@ class Ghosts(NamedTuple):
     steps: jax.Array  # loop steps of the selection of the rows to send
 
 
-def boundary_chunks(capacity: int, size: int) -> int:
+def boundary_chunk(capacity: int, size: int) -> int:
     """Rows per device pair and round for the exchanges of boundary rows: ghosts, their labels and the pieces of
     groups that cross devices.
 
@@ -89,7 +89,7 @@ def send_grouped(columns: dict[str, jax.Array], counts: jax.Array, *, capacity: 
     One ``alltoallv`` for all columns (it packs the 4- and 8-byte ones into one block per round). ``plan``:
     ``(recv_counts, largest)`` when the route is known (no count exchange). ``chunk``: rows per rank pair and round
     (default ``alltoallv``'s, sized for a sort's memory; :func:`~shardax._exchange.share_chunk` for one
-    round of a whole share; :func:`boundary_chunks` for boundary traffic).
+    round of a whole share; :func:`boundary_chunk` for boundary traffic).
     Returns ``(columns, recv_counts, overflow)``: ``capacity`` rows grouped by source rank, each source's rows in
     the order they were sent.
     """
@@ -245,7 +245,7 @@ def exchange_ghosts(pos: jax.Array, ids: jax.Array, pieces: Pieces, linking_leng
     # The routes' plan is kept: the label exchanges travel the same routes (either way) with no count exchange.
     recv_counts, largest = exchange_counts_and_max(send_counts, resolve_axes(None))
     got, _, overflow = send_grouped({"pos": pos[send_row], "ids": ids[send_row]}, send_counts, capacity=capacity,
-                                    plan=(recv_counts, largest), chunk=boundary_chunks(capacity, size))
+                                    plan=(recv_counts, largest), chunk=boundary_chunk(capacity, size))
     received = jnp.sum(recv_counts)
     return Ghosts(send_row, send_dest, jnp.minimum(send_num, capacity), send_counts, got["pos"], got["ids"],
                 jnp.minimum(received, capacity), recv_counts, largest, jnp.maximum(send_num, received),
@@ -277,7 +277,7 @@ def merge_labels(labels: jax.Array, component: jax.Array, ghosts: Ghosts, n: int
     """
     ghost_valid = jnp.arange(capacity, dtype=jnp.int32) < ghosts.num
     sent = jnp.arange(capacity, dtype=jnp.int32) < ghosts.send_num
-    chunk = boundary_chunks(capacity, ghosts.send_counts.shape[0])
+    chunk = boundary_chunk(capacity, ghosts.send_counts.shape[0])
 
     def round_trip(state: _Merge) -> _Merge:
         labels = state.labels
@@ -321,7 +321,7 @@ def boundary_totals(parts: Partial, label: jax.Array, boundary: jax.Array, rank:
     tree = {"label": label[sel], **{f"p_{k}": v[sel] for k, v in parts._asdict().items()}}
     got, recv_counts, overflow, perm, back_plan = exchange_columns(
         tree, label[sel] % size, num=jnp.minimum(send_num, capacity), size=size, capacity=capacity,
-        chunk=boundary_chunks(capacity, size))
+        chunk=boundary_chunk(capacity, size))
     received = jnp.sum(recv_counts)
     got_num = jnp.minimum(received, capacity)
     valid = jnp.arange(capacity, dtype=jnp.int32) < got_num
@@ -336,7 +336,7 @@ def boundary_totals(parts: Partial, label: jax.Array, boundary: jax.Array, rank:
     # Totals back to the senders of the pieces along the reverse route: they arrive in the order sent (``perm``).
     total = jnp.zeros((capacity,), jnp.int32).at[order].set(home.count[segment])
     back, _, back_overflow = send_grouped({"count": total}, recv_counts, capacity=capacity, plan=back_plan,
-                                          chunk=boundary_chunks(capacity, size))
+                                          chunk=boundary_chunk(capacity, size))
     live = jnp.arange(capacity, dtype=jnp.int32) < jnp.minimum(send_num, capacity)
     count = jnp.zeros((big,), jnp.int32).at[jnp.where(live, sel[perm], big)].set(back["count"], mode="drop")
     needed = jnp.maximum(send_num, received)
