@@ -110,7 +110,7 @@ def test_missing_scipy_is_a_skipped_row(monkeypatch) -> None:
     (["--only", "knn,nope"], "--only: unknown kernel(s) 'nope'; choose from allreduce, alltoallv, zsort"),
     (["--devices", "2y4"], "--devices: '2y4' is neither N nor PxM"),
     (["--devices", "0"], "--devices: '0' must count at least one process and one device"),
-    (["--repeat", "0"], "--repeat must be a positive integer"),
+    (["--repeat", "0"], "argument --repeat: must be a positive integer, got 0"),
 ])
 def test_bad_arguments(args, message, capsys) -> None:
     with pytest.raises(SystemExit) as info:

@@ -131,9 +131,9 @@ def test_plots_are_skipped_without_matplotlib(tmp_path, monkeypatch) -> None:
 
 @pytest.mark.parametrize("args, message", [
     (["--grid", "60"], "--grid 60 must be divisible by the 8 devices of the run (slabs of the FFT); try --grid 64"),
-    (["--processes", "0"], "--processes must be at least 1, got 0"),
+    (["--processes", "0"], "argument --processes: must be a positive integer, got 0"),
     (["--particles", "10"], "--particles must be at least 1000, got 10"),
-    (["--timeout", "0"], "--timeout must be a positive number of seconds"),
+    (["--timeout", "0"], "argument --timeout: must be a positive number of seconds, got 0"),
     (["--matrix", "many"], "argument --matrix: invalid int value: 'many'"),
     (["--fast"], "unrecognized arguments: --fast"),
 ])

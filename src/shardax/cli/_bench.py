@@ -31,6 +31,7 @@ import numpy as np
 from .._compile_cache import cache_env, default_cache_dir
 from ..runtime import JobResult, ProcessSpec, Stream, launch, mpirun_spec, process_env, run_processes
 from ._bench_cases import KERNELS, Kernel, Target, kernels
+from ._options import add_run_options, job_parser, positive_int
 
 _QUICK_DEVICES = "1,8"
 _FULL_DEVICES = "1,2,4,8,2x4"
@@ -118,13 +119,13 @@ class Row:
 
 
 def bench_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="shardax bench",
-        description="Time every shardax kernel side by side with its anchor (NumPy/SciPy, plain JAX collectives, "
-                    "jnp.fft, jaxdecomp and mpi4jax where installed) on CPU devices: back to back in the same "
-                    "process, medians over repeats. Prints a table of ratios against the targets of "
-                    "docs/benchmarks.md, writes the raw timings (JSON) and plots of time vs N and time vs devices. "
-                    "The size sweep runs on the first device configuration; the others run the largest size.")
+    parser = job_parser(
+        "bench",
+        "Time every shardax kernel side by side with its anchor (NumPy/SciPy, plain JAX collectives, "
+        "jnp.fft, jaxdecomp and mpi4jax where installed) on CPU devices: back to back in the same "
+        "process, medians over repeats. Prints a table of ratios against the targets of "
+        "docs/benchmarks.md, writes the raw timings (JSON) and plots of time vs N and time vs devices. "
+        "The size sweep runs on the first device configuration; the others run the largest size.")
     parser.add_argument("--quick", action="store_true",
                         help=f"small sizes, 2 repeats, devices {_QUICK_DEVICES}: minutes, not hours")
     parser.add_argument("--docs-sizes", action="store_true",
@@ -132,23 +133,20 @@ def bench_parser() -> argparse.ArgumentParser:
                              "(e.g. FoF and kNN 1e6 points); the targets are judged at that size only")
     parser.add_argument("--only", default=None, metavar="K1,K2",
                         help="comma-separated kernels: " + ", ".join(KERNELS))
-    parser.add_argument("--repeat", type=int, default=None, metavar="R",
+    parser.add_argument("--repeat", type=positive_int, default=None, metavar="R",
                         help="timed calls per case after a warm-up call (default 2 with --quick, else 5)")
     parser.add_argument("--devices", default=None, metavar="LIST",
                         help=f"device configurations: N (one process of N CPU devices) or PxM (P processes of M, "
                              f"through shardax launch) (default {_QUICK_DEVICES} with --quick, else {_FULL_DEVICES})")
-    parser.add_argument("--out", default="bench_out", metavar="DIR", help="output directory (default bench_out)")
     parser.add_argument("--json", default=None, metavar="PATH", help="results file (default DIR/bench.json)")
     parser.add_argument("--cache-dir", default=None, metavar="DIR",
                         help="persistent compilation cache of the workers (default $JAX_COMPILATION_CACHE_DIR, else "
                              f"{default_cache_dir()}, shared with `shardax halos` and `shardax demo`): a second run "
                              "loads the programs the cache can hold instead of compiling them (GPUs and one CPU "
                              "device; runs on several CPU devices always compile)")
-    parser.add_argument("--no-cache", action="store_true",
-                        help="compile everything afresh (the 'first call' column is then the compile time)")
-    parser.add_argument("--timeout", type=float, default=3600.0, metavar="S",
-                        help="stop a device configuration's worker after S seconds (default 3600)")
-    parser.add_argument("--plain", action="store_true", help="plain text even if `rich` is installed")
+    add_run_options(parser, out="bench_out", timeout=3600.0,
+                    timeout_help="stop a device configuration's worker after S seconds",
+                    cache="compile everything afresh (the 'first call' column is then the compile time)")
     parser.add_argument("--backend", choices=("auto", "cpu", "gpu"), default="auto",
                         help="where the workers run: 'auto' (default) the backend JAX finds (JAX_PLATFORMS, else "
                              "JAX's own choice), 'cpu' CPU devices with NumPy/SciPy anchors, 'gpu' the accelerator "
@@ -165,10 +163,6 @@ def run_cli(argv: Sequence[str]) -> int:
     if unknown or not names:
         parser.error(f"--only: unknown kernel(s) {', '.join(map(repr, unknown)) or '(none given)'}; choose from "
                      f"{', '.join(KERNELS)}")
-    if ns.repeat is not None and ns.repeat < 1:
-        parser.error(f"--repeat must be a positive integer, got {ns.repeat}")
-    if not ns.timeout > 0:
-        parser.error(f"--timeout must be a positive number of seconds, got {ns.timeout}")
     backend = detect_backend() if ns.backend == "auto" else ns.backend
     default_devices = _GPU_DEVICES if backend == "gpu" else _QUICK_DEVICES if ns.quick else _FULL_DEVICES
     try:

@@ -15,26 +15,22 @@ import threading
 import time
 from collections.abc import Sequence
 
-from .._compile_cache import cache_help, use_compilation_cache
+from .._compile_cache import use_compilation_cache
 from ..runtime import ConsoleSink, Stream, launch
 from ..runtime import detect_launch as detect
 from ._demo_table import REPORT_NAME, Report, exit_code, print_report, read_report
+from ._options import add_run_options, add_world_options, job_parser
 
+DEFAULT_PROCESSES = 2
 DEFAULT_CPU_DEVICES = 4
 
 
 def demo_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="shardax demo",
-        description="Run every shardax capability (runtime and collectives self-test, zsort, kNN density, "
-                    "friends-of-friends + catalogue, potrs, syevd, fftn, paint + power spectrum) on N local "
-                    "processes of M CPU devices, check each against a NumPy/SciPy reference, print a table and "
-                    "write plots. The exit code is non-zero if any check fails.")
-    parser.add_argument("--processes", type=int, default=2, metavar="N",
-                        help="local processes, started by `shardax launch` (default 2)")
-    parser.add_argument("--cpu-devices", type=int, default=None, metavar="M",
-                        help=f"CPU devices per process (default {DEFAULT_CPU_DEVICES}; inside a run started by "
-                             "another launcher, that launcher's setting)")
+    parser = job_parser("demo", "Run every shardax capability (runtime and collectives self-test, zsort, kNN density, "
+                                "friends-of-friends + catalogue, potrs, syevd, fftn, paint + power spectrum) on N "
+                                "local processes of M CPU devices, check each against a NumPy/SciPy reference, print "
+                                "a table and write plots. The exit code is non-zero if any check fails.")
+    add_world_options(parser, processes=DEFAULT_PROCESSES, cpu_devices=DEFAULT_CPU_DEVICES)
     parser.add_argument("--particles", type=int, default=30_000, metavar="P",
                         help="particles for zsort, kNN, FoF and the power spectrum (default 30000)")
     parser.add_argument("--matrix", type=int, default=256, metavar="N",
@@ -44,27 +40,21 @@ def demo_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of every generated input (default 0)")
     parser.add_argument("--out", default="demo_out", metavar="DIR",
                         help="folder for the plots and demo_report.json (default demo_out)")
-    parser.add_argument("--timeout", type=float, default=900.0, metavar="S",
-                        help="stop the run after S seconds (default 900)")
-    parser.add_argument("--plain", action="store_true", help="plain text even if `rich` is installed")
-    parser.add_argument("--no-cache", action="store_true", help=cache_help())
+    add_run_options(parser, out=None, timeout=900.0)
     return parser
 
 
 def _check(parser: argparse.ArgumentParser, ns: argparse.Namespace, devices: int | None) -> None:
     """Exit with a usage error naming the flag for a value the run cannot take (``devices``: the run's total, when
     known)."""
-    for flag, value, least in (("--processes", ns.processes, 1), ("--cpu-devices", ns.cpu_devices, 1),
-                               ("--particles", ns.particles, 1000), ("--matrix", ns.matrix, 16),
+    for flag, value, least in (("--particles", ns.particles, 1000), ("--matrix", ns.matrix, 16),
                                ("--grid", ns.grid, 8)):
-        if value is not None and value < least:
+        if value < least:
             parser.error(f"{flag} must be at least {least}, got {value}")
     if devices is not None and ns.grid % devices:
         fit = ((ns.grid // devices) + 1) * devices
         parser.error(f"--grid {ns.grid} must be divisible by the {devices} devices of the run (slabs of the FFT); "
                      f"try --grid {fit}")
-    if not ns.timeout > 0:
-        parser.error(f"--timeout must be a positive number of seconds, got {ns.timeout}")
 
 
 def _noise(text: str) -> bool:
@@ -120,8 +110,9 @@ def run_cli(argv: Sequence[str]) -> int:
         from ._demo_body import run_demo
 
         return run_demo(ns, print_table=True)
-    _check(parser, ns, ns.processes * (ns.cpu_devices or DEFAULT_CPU_DEVICES))
+    ns.processes = ns.processes or DEFAULT_PROCESSES
     ns.cpu_devices = ns.cpu_devices or DEFAULT_CPU_DEVICES
+    _check(parser, ns, ns.processes * ns.cpu_devices)
     report_path = os.path.join(ns.out, REPORT_NAME)
     os.makedirs(ns.out, exist_ok=True)
     if os.path.exists(report_path):

@@ -11,24 +11,21 @@ from collections.abc import Sequence
 
 from .._version import __version__
 from ..runtime import ENV_NUM_PROCESSES
+from ._options import add_run_options, add_world_options, job_parser, positive_int
 from ._selftest import CheckResult
 
 
 def doctor_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="shardax doctor",
-        description="Print versions, platform, the multi-process world and device grid, then check allreduce, "
-                    "alltoall and alltoallv against NumPy on a flat mesh of all devices and report bandwidth. "
-                    "The exit code is non-zero if any check fails.")
-    parser.add_argument("--processes", type=int, default=None, metavar="N",
-                        help="re-run under `shardax launch -n N` (rank 0 prints the report)")
-    parser.add_argument("--cpu-devices", type=int, default=None, metavar="M", help="CPU devices per process")
+    parser = job_parser("doctor", "Print versions, platform, the multi-process world and device grid, then check "
+                                  "allreduce, alltoall and alltoallv against NumPy on a flat mesh of all devices and "
+                                  "report bandwidth. The exit code is non-zero if any check fails.")
+    add_world_options(parser, processes_help="re-run under `shardax launch -n N` (rank 0 prints the report)")
     parser.add_argument("--size-mb", type=float, default=1.0, metavar="MB",
                         help="message size per device for the self-test, in MiB (default 1)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls per check; the median is reported")
-    parser.add_argument("--timeout", type=float, default=300.0, metavar="S",
-                        help="with --processes: stop after S seconds (default 300)")
-    parser.add_argument("--plain", action="store_true", help="plain text even if `rich` is installed")
+    parser.add_argument("--repeats", type=positive_int, default=5,
+                        help="timed calls per check; the median is reported (default 5)")
+    add_run_options(parser, out=None, timeout=300.0, timeout_help="with --processes: stop after S seconds",
+                    cache=False)
     return parser
 
 
@@ -36,12 +33,8 @@ def run_cli(argv: Sequence[str]) -> int:
     """``shardax doctor ...``: returns 0 if every check passed."""
     parser = doctor_parser()
     ns = parser.parse_args(list(argv))
-    for name in ("processes", "cpu_devices", "repeats"):
-        value = getattr(ns, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-    if not ns.size_mb > 0 or not ns.timeout > 0:
-        parser.error("--size-mb and --timeout must be positive")
+    if not (math.isfinite(ns.size_mb) and ns.size_mb > 0):
+        parser.error(f"--size-mb must be a positive number of MiB, got {ns.size_mb}")
     if ns.processes is not None and ENV_NUM_PROCESSES not in os.environ:
         return _relaunch(ns)
     return doctor(cpu_devices=ns.cpu_devices, nbytes=int(ns.size_mb * 2**20), repeats=ns.repeats,

@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from .._compile_cache import cache_help, settle_compilation_cache, use_compilation_cache
+from .._compile_cache import settle_compilation_cache, use_compilation_cache
 from ..runtime import ENV_NUM_PROCESSES
+from ._options import add_run_options, add_world_options, job_parser
 from ._progress import Progress
 
 CATALOGUE = "fof_tab_000.hdf5"
@@ -25,14 +26,14 @@ MPC_CM = 3.0856775814913673e24  # centimetres
 
 
 def halos_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="shardax halos",
-        description="Find friends-of-friends halos in a Gadget-style HDF5 snapshot (PartType1) or, without one, in "
-                    "generated clustered initial conditions; write the catalogue as Gadget-4 does (DIR/"
-                    f"{CATALOGUE}: Header, Group/GroupLen, GroupMass, GroupPos, GroupVel, GroupOffsetType, IDs/ID; "
-                    "the same file at any number of processes and devices) and a halo mass function plot (PNG), "
-                    "and print a summary. The catalogue replaces the padded per-device halos.h5 of earlier "
-                    "versions (sx.io.write of the Catalogue).")
+    parser = job_parser(
+        "halos",
+        "Find friends-of-friends halos in a Gadget-style HDF5 snapshot (PartType1) or, without one, in "
+        "generated clustered initial conditions; write the catalogue as Gadget-4 does (DIR/"
+        f"{CATALOGUE}: Header, Group/GroupLen, GroupMass, GroupPos, GroupVel, GroupOffsetType, IDs/ID; "
+        "the same file at any number of processes and devices) and a halo mass function plot (PNG), "
+        "and print a summary. The catalogue replaces the padded per-device halos.h5 of earlier "
+        "versions (sx.io.write of the Catalogue).")
     parser.add_argument("snapshot", nargs="?", default=None, help="snapshot file (default: generate particles)")
     parser.add_argument("--linking-length", type=float, default=0.2, metavar="B",
                         help="linking length in units of the mean inter-particle spacing (default 0.2)")
@@ -43,10 +44,7 @@ def halos_parser() -> argparse.ArgumentParser:
                         help="generated particles when no snapshot is given (default 100000)")
     parser.add_argument("--box", type=float, default=1.0, help="box size of generated particles (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of generated particles (default 0)")
-    parser.add_argument("--processes", type=int, default=None, metavar="N",
-                        help="run under `shardax launch -n N` (rank 0 prints and plots)")
-    parser.add_argument("--cpu-devices", type=int, default=None, metavar="M", help="CPU devices per process")
-    parser.add_argument("--out", default="halos_out", metavar="DIR", help="output directory (default halos_out)")
+    add_world_options(parser, processes_help="run under `shardax launch -n N` (rank 0 prints and plots)")
     parser.add_argument("--per-rank", action="store_true",
                         help=f"one catalogue file per process (fof_tab_000.<rank>.hdf5, Gadget's multi-file layout) "
                              f"instead of one {CATALOGUE}")
@@ -58,10 +56,8 @@ def halos_parser() -> argparse.ArgumentParser:
     parser.add_argument("--length-unit", default=None, metavar="UNIT",
                         help="unit of the box side for the plot, e.g. Mpc/h (default: from the snapshot's "
                              "UnitLength_in_cm if it has it, else 'box units')")
-    parser.add_argument("--no-cache", action="store_true", help=cache_help())
-    parser.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
-    parser.add_argument("--timeout", type=float, default=1800.0, metavar="S",
-                        help="with --processes: stop after S seconds (default 1800)")
+    add_run_options(parser, out="halos_out", timeout=1800.0, timeout_help="with --processes: stop after S seconds",
+                    plain="plain progress lines even on a terminal")
     return parser
 
 
@@ -69,9 +65,9 @@ def run_cli(argv: Sequence[str]) -> int:
     """``shardax halos ...``: returns 0 on success."""
     parser = halos_parser()
     ns = parser.parse_args(list(argv))
-    for name in ("processes", "cpu_devices", "min_members", "particles"):
+    for name in ("min_members", "particles"):
         value = getattr(ns, name)
-        if value is not None and value < 1:
+        if value < 1:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     if not (ns.linking_length > 0 and math.isfinite(ns.linking_length)):
         parser.error(f"--linking-length must be positive, got {ns.linking_length}")

@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from .. import runtime
+from ._options import positive_int, positive_seconds
 
 
 def launch(target: str | os.PathLike[str] | Sequence[str], /, *args: str, num_processes: int,
@@ -40,26 +41,6 @@ def _split_target(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return list(argv), []
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
-    return value
-
-
 def launch_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardax launch",
@@ -68,11 +49,11 @@ def launch_parser() -> argparse.ArgumentParser:
                     "sx.initialize(). Each rank's stdout and stderr lines are printed whole, on their own stream, "
                     "prefixed with the rank ([1] ...); the first failing rank stops the others, its error is "
                     "repeated at the end, and its exit code is the launcher's.")
-    parser.add_argument("-n", "--num-processes", type=_positive_int, required=True, metavar="N",
+    parser.add_argument("-n", "--num-processes", type=positive_int, required=True, metavar="N",
                         help="number of processes (ranks)")
-    parser.add_argument("--cpu-devices", type=_positive_int, default=None, metavar="M",
+    parser.add_argument("--cpu-devices", type=positive_int, default=None, metavar="M",
                         help="CPU devices per process (sets SHARDAX_CPU_DEVICES and JAX_NUM_CPU_DEVICES)")
-    parser.add_argument("--timeout", type=_positive_float, default=None, metavar="S",
+    parser.add_argument("--timeout", type=positive_seconds, default=None, metavar="S",
                         help="stop the run after S seconds (exit code 124)")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="also print the libraries' connection chatter ([Gloo] Rank 0 is connected to ...)")

@@ -14,21 +14,22 @@ import math
 import sys
 from collections.abc import Sequence
 
-from .._compile_cache import cache_help, settle_compilation_cache, use_compilation_cache
+from .._compile_cache import settle_compilation_cache, use_compilation_cache
 from ..runtime import detect_launch as detect
 from ._nbody_progress import ProgressPrinter, ProgressSink
+from ._options import add_run_options, add_world_options, job_parser
 
 DEFAULT_PROCESSES = 2
 DEFAULT_CPU_DEVICES = 4
 
 
 def nbody_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="shardax nbody",
-        description="Run a particle-mesh N-body simulation (Gaussian initial conditions from the linear power "
-                    "spectrum, 1LPT/2LPT, kick-drift-kick steps in the scale factor) from --z-start to z = 0 on N "
-                    "local processes of M CPU devices, then write a Gadget-4-style snapshot, the power spectrum "
-                    "against linear theory (CSV), the friends-of-friends halo catalogue and plots into --out.",
+    parser = job_parser(
+        "nbody",
+        "Run a particle-mesh N-body simulation (Gaussian initial conditions from the linear power "
+        "spectrum, 1LPT/2LPT, kick-drift-kick steps in the scale factor) from --z-start to z = 0 on N "
+        "local processes of M CPU devices, then write a Gadget-4-style snapshot, the power spectrum "
+        "against linear theory (CSV), the friends-of-friends halo catalogue and plots into --out.",
         epilog="Units: lengths in Mpc/h (comoving), k in h/Mpc, P(k) in (Mpc/h)^3, masses in Msun/h.")
     sim = parser.add_argument_group("simulation")
     sim.add_argument("--particles", type=int, default=64, metavar="N",
@@ -51,30 +52,21 @@ def nbody_parser() -> argparse.ArgumentParser:
                        ("--sigma8", "amplitude sigma_8 of the linear power at z = 0")):
         cosmo.add_argument(flag, type=float, default=None, metavar="X", help=text)
     run = parser.add_argument_group("run and output")
-    run.add_argument("--processes", type=int, default=None, metavar="N",
-                     help=f"local processes, started by `shardax launch` (default {DEFAULT_PROCESSES}; 1 computes "
-                          "in this process)")
-    run.add_argument("--cpu-devices", type=int, default=None, metavar="M",
-                     help=f"CPU devices per process (default {DEFAULT_CPU_DEVICES}; inside a run started by "
-                          "another launcher, that launcher's setting)")
+    add_world_options(run, processes=DEFAULT_PROCESSES, cpu_devices=DEFAULT_CPU_DEVICES,
+                      processes_help="local processes, started by `shardax launch` (1 computes in this process)")
     run.add_argument("--linking-length", type=float, default=0.2, metavar="B",
                      help="FoF linking length in units of the mean inter-particle spacing (default 0.2)")
     run.add_argument("--min-members", type=int, default=20, metavar="K", help="smallest halo (default 20)")
-    run.add_argument("--out", default="nbody_out", metavar="DIR", help="output directory (default nbody_out)")
     run.add_argument("--no-plots", action="store_true", help="write no PNG plots")
-    run.add_argument("--no-cache", action="store_true", help=cache_help())
-    run.add_argument("--plain", action="store_true", help="plain progress lines even if `rich` is installed")
-    run.add_argument("--timeout", type=float, default=1800.0, metavar="S",
-                     help="stop the run after S seconds (default 1800)")
+    add_run_options(run, out="nbody_out", timeout=1800.0, plain="plain progress lines even if `rich` is installed")
     return parser
 
 
 def check_options(parser: argparse.ArgumentParser, ns: argparse.Namespace, devices: int | None) -> None:
     """Exit with a usage error naming the flag for a value the job cannot take (``devices``: the run's total, when
     known)."""
-    for flag, value in (("--processes", ns.processes), ("--cpu-devices", ns.cpu_devices), ("--steps", ns.steps),
-                        ("--mesh-factor", ns.mesh_factor), ("--min-members", ns.min_members)):
-        if value is not None and value < 1:
+    for flag, value in (("--steps", ns.steps), ("--mesh-factor", ns.mesh_factor), ("--min-members", ns.min_members)):
+        if value < 1:
             parser.error(f"{flag} must be a positive integer, got {value}")
     n = ns.particles
     if n < 4 or n > 1024 or n & (n - 1):
@@ -93,8 +85,6 @@ def check_options(parser: argparse.ArgumentParser, ns: argparse.Namespace, devic
                                    ("--sigma8", ns.sigma8, 0.0, 10.0)):
         if value is not None and not (math.isfinite(value) and low < value < high):
             parser.error(f"{flag} must lie in ({low:g}, {high:g}), got {value}")
-    if not ns.timeout > 0:
-        parser.error(f"--timeout must be a positive number of seconds, got {ns.timeout}")
     cells = n * ns.mesh_factor
     if devices is not None and cells % devices:
         parser.error(f"the PM mesh ({cells}^3 = --particles x --mesh-factor per side) must divide over the {devices} "
