@@ -165,9 +165,9 @@ def test_bad_input() -> None:
         knn(pos.at[3, 1].set(jnp.nan), 3)
     with pytest.raises(ValueError, match="query has 2-dimensional"):
         knn(pos, 3, query=pos[:, :2])
-    with pytest.raises(ValueError, match="box must be a scalar or have one size per axis"):
+    with pytest.raises(ValueError, match="knn: box must be a scalar or have 3 entries"):
         knn(pos, 3, box=(1.0, 1.0))
-    with pytest.raises(ValueError, match="box sizes must be positive"):
+    with pytest.raises(ValueError, match="knn: box must be positive and finite"):
         knn(pos, 3, box=0.0)
     with pytest.raises(TypeError, match="float32 or float64"):
         knn(jnp.ones((5, 3), jnp.int32), 2)

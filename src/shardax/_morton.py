@@ -116,24 +116,49 @@ def given_box_values(box: Any, dtype: Any, type_error: str) -> np.ndarray | None
         raise TypeError(type_error) from None
 
 
-def check_periodic_box(box: Box, dim: int, dtype: jnp.dtype) -> None:
-    """Raise the errors of :func:`periodic_box` for ``box`` on the host, without device work (wrappers call it
-    before tracing: on a GPU every eager array operation is a launch and a wait)."""
+def check_box(box: Any, dim: int, dtype: Any, *, where: str = "", optional: bool = True,
+              extent: tuple[float, float] | None = None) -> None:
+    """Raise the errors of :func:`box_vector` for a user's ``box`` on the host, without device work (wrappers call it
+    before tracing: on a GPU every eager array operation is a launch and a wait).
+
+    Args:
+        box: a positive number, one per axis, or (``optional``) ``None`` for no box.
+        dim: the number of axes.
+        dtype: the positions' dtype: the box must be positive and finite in it.
+        where: the messages' prefix (``"knn: "``).
+        optional: whether ``None`` means "no box" (else it is refused).
+        extent: the ``(low, high)`` sizes the caller's arithmetic takes (kNN's squared distances), if bounded.
+    """
+    if box is None and optional:
+        return
+    kinds = "None, a positive number" if optional else "a positive number"
     if isinstance(box, bool) or not isinstance(box, int | float | tuple | list | jax.Array | np.ndarray | np.generic):
-        raise TypeError(f"box must be a positive number or a sequence of {dim} numbers, got {type(box).__name__}")
-    values = given_box_values(box, dtype, f"box must be a positive number or a sequence of {dim} numbers, got {box!r}")
+        raise TypeError(f"{where}box must be {kinds} or a sequence of {dim} numbers, got {type(box).__name__}")
+    values = given_box_values(box, dtype, f"{where}box must be {kinds} or a sequence of {dim} numbers, got {box!r}")
+    shape = np.shape(box)
+    if shape not in ((), (dim,)):
+        raise ValueError(f"{where}box must be a scalar or have {dim} entries (one per axis), got shape {shape}")
     if values is None:
         return
+    name = np.dtype(dtype).name
     if not np.all(np.isfinite(values) & (values >= np.finfo(values.dtype).tiny)):
-        raise ValueError(f"box must be positive and finite in {np.dtype(dtype).name} (the periodic box size per "
-                         f"axis; XLA flushes subnormal numbers to zero), got {box!r}")
-    if values.ndim != 0 and values.shape != (dim,):
-        raise ValueError(f"box must be a scalar or have shape ({dim},) (one value per axis), got {values.shape}")
+        raise ValueError(f"{where}box must be positive and finite in {name} (the periodic box size per axis; XLA "
+                         f"flushes subnormal numbers to zero), got {box!r}")
+    if extent is not None and not np.all((values >= extent[0]) & (values <= extent[1])):
+        raise ValueError(f"{where}box {box!r} is out of range for {name}: squared distances need {extent[0]:.3g} <= "
+                         f"box <= {extent[1]:.3g}; rescale the positions or use float64")
+
+
+def box_vector(box: Any, dim: int, dtype: Any, *, where: str = "",
+               extent: tuple[float, float] | None = None) -> jax.Array | None:
+    """``box`` as a `(dim,)` array of ``dtype`` (``None`` without a box), after :func:`check_box`."""
+    check_box(box, dim, dtype, where=where, extent=extent)
+    return None if box is None else as_vector(box, dim, dtype, "box")
 
 
 def periodic_box(box: Box, dim: int, dtype: jnp.dtype) -> KeyBox:
     """The :class:`KeyBox` of a periodic box ``[0, box)`` (scalar or per-axis size)."""
-    check_periodic_box(box, dim, dtype)
+    check_box(box, dim, dtype, optional=False)
     extent = as_vector(box, dim, dtype, "box")
     return KeyBox(jnp.zeros((dim,), dtype), extent, True)
 

@@ -26,7 +26,7 @@ from .._bounds import bounds_layout, check_bounds, check_part, mapped_bounds
 from .._compile import particle_compiler_options
 from .._eager import is_concrete, run_compiled
 from .._errors import CapacityError
-from .._morton import Box, check_periodic_box
+from .._morton import Box, check_box
 from .._pytree import check_global, check_positions
 from .._tuning import tuning_backend
 from ..core import ALL, attach_global, smap
@@ -126,7 +126,7 @@ def _constructed(mesh: Mesh | None, jit: bool, donate: bool) -> Callable[..., An
         check_global(part, "zsort.smap", "zsort")
         dtype = jnp.result_type(part.pos)
         if box is not None and not isinstance(box, Tracer) and dtype in (jnp.float32, jnp.float64):
-            check_periodic_box(box, int(jnp.shape(part.pos)[-1]), dtype)  # clear errors before anything is traced
+            check_box(box, int(jnp.shape(part.pos)[-1]), dtype, optional=False)  # clear errors before anything is traced
         static_box = box is None or isinstance(box, int | float | tuple)
         leaves, treedef = jax.tree.flatten(part)
         # The tuning preset is read while tracing (the domain's cell statistics): one program per preset.

@@ -28,7 +28,7 @@ from jax.core import Tracer
 from .._bounds import check_local
 from .._eager import is_concrete, run_compiled
 from .._exchange import share_chunk
-from .._morton import as_vector, given_box_values
+from .._morton import box_vector
 from .._pytree import check_positions, particle_set
 from .._zorder import bucket_sort
 from ..core import rank_info
@@ -115,31 +115,6 @@ def _positive_int(value: Any, name: str, *, allow_none: bool = False) -> int | N
 def requested_buffers(**sizes: int | None) -> Buffers:
     """The buffer sizes a caller passed, each None or a positive int."""
     return Buffers(**{name: _positive_int(value, name, allow_none=True) for name, value in sizes.items()})
-
-
-def check_box(box: Any, dim: int, dtype: Any) -> None:
-    """The errors of :func:`box_vector` for ``box``, raised on the host without device work (``fof.smap`` checks
-    before its call: on a GPU every eager array operation is a launch and a wait)."""
-    if box is None:
-        return
-    if isinstance(box, bool) or not isinstance(box, int | float | tuple | list | jax.Array | np.ndarray | np.generic):
-        raise TypeError(f"box must be None, a positive number or a sequence of {dim} numbers, got "
-                        f"{type(box).__name__}")
-    values = given_box_values(box, dtype,
-                              f"box must be None, a positive number or a sequence of {dim} numbers, got {box!r}")
-    if values is not None and values.size in (1, dim) and \
-            not np.all(np.isfinite(values) & (values >= np.finfo(values.dtype).tiny)):
-        raise ValueError(f"box must be positive and finite in {np.dtype(dtype).name} (the periodic box size per "
-                         f"axis; XLA flushes subnormal numbers to zero), got {box!r}")
-    shape = np.shape(box)
-    if shape not in ((), (dim,)):
-        raise ValueError(f"box must be a scalar or have {dim} entries (one per axis), got shape {shape}")
-
-
-def box_vector(box: Any, dim: int, dtype: Any) -> jax.Array | None:
-    """``box`` as a `(dim,)` array of ``dtype`` (``None`` without a box), after :func:`check_box`."""
-    check_box(box, dim, dtype)
-    return None if box is None else as_vector(box, dim, dtype, "box")
 
 
 def _check_linking_length(linking_length: Any, box: Any, dtype: Any) -> jax.Array:

@@ -20,11 +20,12 @@ from .. import _flags
 from .._bounds import bounds_layout, check_bounds, mapped_bounds
 from .._compile import particle_compiler_options
 from .._errors import CapacityError
+from .._morton import check_box
 from .._pytree import check_count, pad_global, particle_set
 from ..comm import allgather
 from ..core import ALL, attach_global, smap
 from ..particles import Particles
-from ._fof import Buffers, FofResult, TuningName, check_box, device_buffers, fof, requested_buffers
+from ._fof import Buffers, FofResult, TuningName, device_buffers, fof, requested_buffers
 from ._fof_tuning import Tuning, resolve
 
 # The ghost buffer ``fof.smap`` starts from when ``halo_capacity`` is left unset. Boundary rows are a few percent of

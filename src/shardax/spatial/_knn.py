@@ -17,7 +17,7 @@ from .._bounds import bounds_layout, check_bounds, check_local, mapped_bounds
 from .._compile import particle_compiler_options
 from .._eager import is_concrete, run_compiled
 from .._errors import CapacityError
-from .._morton import as_vector, given_box_values
+from .._morton import box_vector, check_box
 from .._pytree import check_count, check_global, particle_set
 from ..comm import allgather, allreduce, scan
 from ..core import ALL, attach_global, rank_info, smap
@@ -73,27 +73,7 @@ def extent_range(dtype: Any, dim: int) -> tuple[float, float]:
 
 
 def _check_box(box: Box, dim: int, dtype: Any) -> None:
-    """The errors of :func:`_box_vector`, raised on the host without device work (``knn.smap`` checks before its
-    call: on a GPU every eager array operation is a launch and a wait)."""
-    if box is None:
-        return
-    values = given_box_values(box, dtype, f"knn: box must be None, a number or one number per axis, got {box!r}")
-    if values is not None:
-        if values.size in (1, dim) and not np.all(np.isfinite(values) & (values > 0)):
-            raise ValueError(f"knn: box sizes must be positive and finite in {np.dtype(dtype).name}, got {box!r}")
-        low, high = extent_range(dtype, dim)
-        if values.size in (1, dim) and not np.all((values >= low) & (values <= high)):
-            raise ValueError(f"knn: box {box!r} is out of range for {np.dtype(dtype).name}: squared distances need "
-                             f"{low:.3g} <= box <= {high:.3g}; rescale the positions or use float64")
-    shape = np.shape(box)
-    if shape not in ((), (dim,)):
-        raise ValueError(f"knn: box must be a scalar or have one size per axis ({dim}), got shape {shape}")
-
-
-def _box_vector(box: Box, dim: int, dtype: Any) -> jax.Array | None:
-    """``box`` as a `(dim,)` array of ``dtype`` (``None`` without a box), after :func:`_check_box`."""
-    _check_box(box, dim, dtype)
-    return None if box is None else as_vector(box, dim, dtype, "box")
+    check_box(box, dim, dtype, where="knn: ", extent=extent_range(dtype, dim))
 
 
 def _check_finite(pos: jax.Array, valid: jax.Array, name: str) -> None:
@@ -298,7 +278,7 @@ def _search(part: Any, query: Any, box: Box, reduce: Reduce | None, options: _Se
     else:
         qpos, qvalid = _positions(query, "query")
         qpart = query if hasattr(query, "pos") else Particles(pos=qpos, num=jnp.sum(qvalid, dtype=jnp.int32))
-    boxv = _box_vector(box, dim, pos.dtype)
+    boxv = box_vector(box, dim, pos.dtype, where="knn: ", extent=extent_range(pos.dtype, dim))
     ids = getattr(part, "ids", None)
     size = rank_info().size
     if ids is None:
