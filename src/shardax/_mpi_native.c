@@ -384,13 +384,24 @@ static int reduce_local(XLA_FFI_DataType dtype, int64_t op, void* dst, const voi
   }
 }
 
-/* The slot of this thread: the index of its mesh position (first operand) among the local positions. */
-static int my_slot(const XLA_FFI_CallFrame* frame, const int64_t* local, size_t count) {
-  const XLA_FFI_Buffer* position = (const XLA_FFI_Buffer*)frame->args.args[0];
-  int64_t me = *(const int32_t*)position->data;
-  for (size_t i = 0; i < count; ++i)
-    if (local[i] == me) return (int)i;
-  return -1;
+/* The mesh position of this thread's device (the first operand of calls on several devices of a process). */
+static int64_t position(const XLA_FFI_CallFrame* frame) {
+  return *(const int32_t*)((const XLA_FFI_Buffer*)frame->args.args[0])->data;
+}
+
+/* The site of a call on several devices of this process (attributes ``site`` and ``local``, the mesh positions of
+ * the process's devices), this thread's ``slot`` in it (the index of its position, the first operand, among them)
+ * and the ``count`` of devices that meet there; NULL when the call lacks them or this device is not among them. */
+static Site* local_site(const XLA_FFI_CallFrame* frame, int* slot, int* count) {
+  int64_t id = 0;
+  size_t n = 0;
+  const int64_t* local = array(frame, "local", &n);
+  if (local == NULL || n > MAX_LOCAL || !scalar(frame, "site", &id)) return NULL;
+  *slot = -1;
+  for (size_t i = 0; i < n; ++i)
+    if (local[i] == position(frame)) *slot = (int)i;
+  *count = (int)n;
+  return *slot < 0 ? NULL : site_of(id);
 }
 
 /* Reduce the local devices' inputs into the leader's output (each thread a slice), one MPI_Allreduce in place
@@ -399,22 +410,17 @@ static int my_slot(const XLA_FFI_CallFrame* frame, const int64_t* local, size_t 
 static XLA_FFI_Error* allreduce_local(const XLA_FFI_CallFrame* frame, MPI_Comm comm) {
   const XLA_FFI_Buffer* x = (const XLA_FFI_Buffer*)frame->args.args[1];
   XLA_FFI_Buffer* out = (XLA_FFI_Buffer*)frame->rets.rets[0];
-  int64_t op = 0, id = 0;
-  size_t count = 0;
-  const int64_t* local = array(frame, "local", &count);
-  if (local == NULL || count > MAX_LOCAL || !scalar(frame, "op", &op) || !scalar(frame, "site", &id))
-    return fail(frame, "shardax MPI transport: allreduce without its site");
-  int slot = my_slot(frame, local, count);
-  Site* site = site_of(id);
+  int64_t op = 0;
+  int slot = -1, n = 0;
+  Site* site = local_site(frame, &slot, &n);
   MPI_Datatype type = reduce_type(x->dtype);
-  if (slot < 0 || site == NULL || type == MPI_DATATYPE_NULL)
-    return fail(frame, "shardax MPI transport: allreduce outside its site");
-  int n = (int)count;
+  if (site == NULL || !scalar(frame, "op", &op) || type == MPI_DATATYPE_NULL)
+    return fail(frame, "shardax MPI transport: allreduce outside its site (or without its op)");
   size_t len = elements(x), bytes = len * dtype_bytes(x->dtype);
   site->in[slot] = x->data;
   site->out[slot] = out->data;
   meet(site, n);
-  size_t lo = len * (size_t)slot / count, hi = len * (size_t)(slot + 1) / count;
+  size_t lo = len * (size_t)slot / (size_t)n, hi = len * (size_t)(slot + 1) / (size_t)n;
   reduce_local(x->dtype, op, site->out[0], site->in, n, lo, hi);
   meet(site, n);
   if (slot == 0) {
@@ -464,19 +470,16 @@ static XLA_FFI_Error* ragged_local(const XLA_FFI_CallFrame* frame, MPI_Comm comm
   const XLA_FFI_Buffer* counts_in = fixed ? NULL : (const XLA_FFI_Buffer*)frame->args.args[2];
   XLA_FFI_Buffer* data = (XLA_FFI_Buffer*)frame->rets.rets[0];
   XLA_FFI_Buffer* got = fixed ? NULL : (XLA_FFI_Buffer*)frame->rets.rets[1];
-  int64_t id = 0;
-  size_t count = 0, ndev = 0, nslots = 0, size = 0;
-  const int64_t* local = array(frame, "local", &count);
+  size_t ndev = 0, nslots = 0, size = 0;
   const int64_t* procs = array(frame, "procs", &ndev);
   const int64_t* slots = array(frame, "slots", &nslots);
   const int64_t* members = array(frame, "members", &size);
-  if (local == NULL || procs == NULL || slots == NULL || members == NULL || count > MAX_LOCAL || nslots != ndev ||
-      !scalar(frame, "site", &id))
-    return fail(frame, "shardax MPI transport: alltoallv without its site");
-  int slot = my_slot(frame, local, count);
-  Site* site = site_of(id);
-  if (slot < 0 || site == NULL) return fail(frame, "shardax MPI transport: alltoallv outside its site");
-  int n = (int)count, nprocs = 0, me = 0;
+  if (procs == NULL || slots == NULL || members == NULL || nslots != ndev)
+    return fail(frame, "shardax MPI transport: alltoallv without its plan");
+  int slot = -1, n = 0;
+  Site* site = local_site(frame, &slot, &n);
+  if (site == NULL) return fail(frame, "shardax MPI transport: alltoallv outside its site");
+  int nprocs = 0, me = 0;
   MPI_Comm_size(comm, &nprocs);
   MPI_Comm_rank(comm, &me);
   int64_t rows = x->rank > 0 ? x->dims[0] : 0;
@@ -581,7 +584,7 @@ static XLA_FFI_Error* ragged_local(const XLA_FFI_CallFrame* frame, MPI_Comm comm
   meet(site, n);  /* the leader's MPI call is done (overlapping it with the copies below was no faster) */
   if (status == MPI_SUCCESS) {  /* rows from devices of this process, and the counts */
     const int64_t* table = site->table;
-    size_t t = (size_t)local[slot], rt = 0;
+    size_t t = (size_t)position(frame), rt = 0;
     for (size_t r = 0; r < size; ++r)
       if ((size_t)members[r] == t) rt = r;
     int32_t* out_counts = fixed ? NULL : (int32_t*)got->data;
