@@ -1,12 +1,14 @@
 """Friends-of-friends benchmark: shardax vs cKDTree.query_pairs + connected_components (and pyfof if installed).
 
-Side by side in one run (robust to a shared machine): uniform float32 points in the periodic unit box, linking
-lengths b = 0.2 and 0.7 of the mean spacing, on one device, on 8 devices of this process, and (``--processes 2``)
-on 2 processes x 4 devices launched through ``shardax launch``. Also reports the boundary particles each device
-exchanges at two sizes: they grow like the surface of a device's piece (``N**(2/3)``), not like its volume.
+Side by side in one run (robust to a shared machine): float32 points in the periodic unit box (uniform, or with
+``--data clustered`` the particles ``shardax halos`` generates: half in halos), linking lengths b = 0.2 and 0.7 of
+the mean spacing, on one device, on 8 devices of this process, and (``--processes 2``) on 2 processes x 4 devices
+launched through ``shardax launch``. Also reports the boundary particles each device exchanges at two sizes: they
+grow like the surface of a device's piece (``N**(2/3)``), not like its volume.
 
     python benchmarks/fof.py --n 1000000 --repeat 3 --processes 2
     python benchmarks/fof.py --n 1000000 --repeat 3 --tuning gpu     # the GPU preset's kernels, here on CPU
+    python benchmarks/fof.py --n 1000000 --repeat 3 --data clustered --b 0.2
 
 ``--tuning`` picks the FofTuning preset (default: the backend's); the sequential loop steps of the 1-device call
 (``fof_steps``: link search, component passes, hooking and pointer-jumping steps) are printed with each row.
@@ -29,6 +31,16 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 import numpy as np
 
 from shardax.cli._bench_cases import scipy_fof, time_rounds
+
+
+def points(n: int, data: str, seed: int) -> np.ndarray:
+    """``(n, 3)`` float32 points in the periodic unit box: ``uniform``, or ``clustered`` (``shardax halos``'s
+    generated particles: half in Gaussian halos of 20-5000 members, half uniform)."""
+    if data == "clustered":
+        from shardax.cli._halos import generate
+
+        return generate(n, 1.0, seed)[0]
+    return np.random.default_rng(seed).random((n, 3)).astype(np.float32)
 
 
 def _median_time(fn, repeat: int) -> float:
@@ -108,7 +120,7 @@ def step_counts(pos: np.ndarray, linking_length: float, tuning: str | None = Non
     return {name: count for name, count in steps.items() if count}
 
 
-def worker(n: int, repeat: int, bs: list[float], tuning: str | None = None) -> dict:
+def worker(n: int, repeat: int, bs: list[float], tuning: str | None = None, data: str = "uniform") -> dict:
     """Timings on all devices of this run (used on its own by the multi-process launch), round-robin with the
     1-device call on process 0 (the other processes wait at a barrier meanwhile, see ``time_lead_rounds``): the ratio
     of the two is measured under one load."""
@@ -118,7 +130,7 @@ def worker(n: int, repeat: int, bs: list[float], tuning: str | None = None) -> d
     from shardax.cli._bench_cases import time_lead_rounds
 
     sx.initialize()
-    pos = np.random.default_rng(0).random((n, 3)).astype(np.float32)
+    pos = points(n, data, 0)
     out = {}
     for b in bs:
         ll = b / n ** (1 / 3)
@@ -141,10 +153,12 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument("--tuning", choices=("cpu", "gpu"), default=None,
                         help="FofTuning preset of every call (default: the backend's)")
+    parser.add_argument("--data", choices=("uniform", "clustered"), default="uniform",
+                        help="uniform points, or shardax halos's clustered particles (default uniform)")
     ns = parser.parse_args()
     bs = [float(b) for b in ns.b.split(",")]
     if ns.worker:
-        result = worker(ns.n, ns.repeat, bs, ns.tuning)
+        result = worker(ns.n, ns.repeat, bs, ns.tuning, ns.data)
         import jax
 
         if jax.process_index() == 0:
@@ -153,8 +167,8 @@ def main() -> None:
 
     import jax
 
-    pos = np.random.default_rng(0).random((ns.n, 3)).astype(np.float32)
-    results: dict = {"n": ns.n, "cases": {}}
+    pos = points(ns.n, ns.data, 0)
+    results: dict = {"n": ns.n, "data": ns.data, "cases": {}}
     for b in bs:
         ll = b / ns.n ** (1 / 3)
         case: dict = {}
@@ -182,7 +196,7 @@ def main() -> None:
         if ns.processes:
             from shardax.testing import launch_script
 
-            extra = ["--tuning", ns.tuning] if ns.tuning else []
+            extra = ["--data", ns.data] + (["--tuning", ns.tuning] if ns.tuning else [])
             launched = launch_script(__file__, "--worker", "--n", str(ns.n), "--repeat", str(ns.repeat), "--b",
                                      str(b), *extra, num_processes=ns.processes, cpu_devices=4, timeout_s=3000)
             lines = [x for x in launched.output.splitlines() if "RESULT " in x]
@@ -206,7 +220,7 @@ def main() -> None:
               + f" | 1-device loop steps: {steps}", flush=True)
     # Surface scaling of the exchange: ghost rows per device at n / 8 and n, on 8 devices.
     small = max(ns.n // 8, 1000)
-    pos_small = np.random.default_rng(1).random((small, 3)).astype(np.float32)
+    pos_small = points(small, ns.data, 1)
     _, res_small = shardax_fof(pos_small, 0.2 / small ** (1 / 3), 8, ns.tuning)
     _, res_big = shardax_fof(pos, 0.2 / ns.n ** (1 / 3), 8, ns.tuning)
     g_small, g_big = _ghost_rows(res_small), _ghost_rows(res_big)
