@@ -234,8 +234,8 @@ def halos(ns: argparse.Namespace) -> int:
 
 
 def _clustered_tuning(platform: str) -> Any:
-    """FoF's tuning for the clustered particles halos are found in: on CPU, link cells of a quarter of the preset's
-    volume (a table of 16 cells per point row instead of 4), so that the dense cells of halos hold fewer candidate
+    """FoF's tuning for the clustered particles halos are found in: on CPU, link cells of half the preset's volume
+    (a table of 16 cells per point row instead of 8), so that the dense cells of halos hold fewer candidate
     pairs (figures: docs/fof.md, "shardax halos"); other backends keep their preset. Labels are the same with every
     tuning."""
     if platform != "cpu":

@@ -1,7 +1,7 @@
 """Local friends-of-friends linking: every pair closer than the linking length, then connected components.
 
 Sort. Points are ordered by the row-major key of a cell grid whose cells are at least the linking length wide (so a
-point's friends lie in the ``3**d`` cells around its own) and small: about ``per_cell = 0.25`` points per cell, at
+point's friends lie in the ``3**d`` cells around its own) and small: about ``per_cell = 0.125`` points per cell, at
 most ``table`` cells per point row. A table of the first sorted row of every cell comes from a count per cell and a
 cumulative sum; the points are placed by a counting sort (:func:`sort_points`). On several devices the grid
 covers one device's piece and its ghosts (:func:`piece_space`), open on the axes where the piece does not wrap the

@@ -44,8 +44,8 @@ class Tuning(NamedTuple):
         (65536, 1048576)
     """
 
-    per_cell: float = 0.25
-    table: float = 4.0
+    per_cell: float = 0.125
+    table: float = 8.0
     slots: int = 65536
     edge_chunk: int = 65536
     rank_rounds: int = 16
@@ -54,12 +54,16 @@ class Tuning(NamedTuple):
     ghost_chunk: int = 512
 
 
+# The CPU preset's link grid: a table of 8 cells per point row, about 1/8 point per cell at the mean density. Halos
+# are far denser than the mean and each point tests the points of 14 cells, so cells of half the volume of a 4-cell
+# table's halve a clustered search's candidates, while a table this size costs nothing measurable on uniform points
+# (docs/fof.md, "Algorithm"). The GPU preset keeps 4 cells per row: its memory per particle has a budget.
 DEFAULT_TUNING = Tuning()
 # A step of the GPU preset holds half as many candidates as the problem has rows (1e6 uniform points at b = 0.2:
 # ~3.4 candidates per point, 7 steps) and as many edges (the components: one hooking step per pass), within the
 # device's step budget (``step_bytes``: 33M slots on an 80 GB device); a ghost step tests a whole cell of a piece.
-GPU_TUNING = Tuning(slots=1 << 24, edge_chunk=1 << 24, rank_rounds=0, step_rows=0.5, run_table=False,
-                    ghost_chunk=1 << 14)
+GPU_TUNING = Tuning(per_cell=0.25, table=4.0, slots=1 << 24, edge_chunk=1 << 24, rank_rounds=0, step_rows=0.5,
+                    run_table=False, ghost_chunk=1 << 14)
 PRESETS = {"cpu": DEFAULT_TUNING, "gpu": GPU_TUNING}
 
 # Bytes of the buffers of one candidate slot in a step of the link search (point, run, candidate, distance, hit,
