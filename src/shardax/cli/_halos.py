@@ -236,9 +236,9 @@ def halos(ns: argparse.Namespace) -> int:
 def _clustered_tuning(platform: str) -> Any:
     """FoF's tuning for the clustered particles halos are found in: on CPU, link cells of half the preset's volume
     (a table of 16 cells per point row instead of 8), so that the dense cells of halos hold fewer candidate
-    pairs (figures: docs/fof.md, "shardax halos"); other backends keep their preset. Labels are the same with every
-    tuning."""
-    if platform != "cpu":
+    pairs (figures: docs/fof.md, "shardax halos"); other backends, and a preset named by ``SHARDAX_TUNING``, keep
+    the preset. Labels are the same with every tuning."""
+    if platform != "cpu" or os.environ.get("SHARDAX_TUNING"):
         return None
     from ..spatial import FofTuning
 
