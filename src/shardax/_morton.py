@@ -149,10 +149,9 @@ def check_box(box: Any, dim: int, dtype: Any, *, where: str = "", optional: bool
                          f"box <= {extent[1]:.3g}; rescale the positions or use float64")
 
 
-def box_vector(box: Any, dim: int, dtype: Any, *, where: str = "",
-               extent: tuple[float, float] | None = None) -> jax.Array | None:
+def box_vector(box: Any, dim: int, dtype: Any) -> jax.Array | None:
     """``box`` as a `(dim,)` array of ``dtype`` (``None`` without a box), after :func:`check_box`."""
-    check_box(box, dim, dtype, where=where, extent=extent)
+    check_box(box, dim, dtype)
     return None if box is None else as_vector(box, dim, dtype, "box")
 
 

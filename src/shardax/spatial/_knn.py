@@ -17,7 +17,7 @@ from .._bounds import bounds_layout, check_bounds, check_local, mapped_bounds
 from .._compile import particle_compiler_options
 from .._eager import is_concrete, run_compiled
 from .._errors import CapacityError
-from .._morton import box_vector, check_box
+from .._morton import as_vector, check_box
 from .._pytree import check_count, check_global, particle_set
 from ..comm import allgather, allreduce, scan
 from ..core import ALL, attach_global, rank_info, smap
@@ -278,7 +278,7 @@ def _search(part: Any, query: Any, box: Box, reduce: Reduce | None, options: _Se
     else:
         qpos, qvalid = _positions(query, "query")
         qpart = query if hasattr(query, "pos") else Particles(pos=qpos, num=jnp.sum(qvalid, dtype=jnp.int32))
-    boxv = box_vector(box, dim, pos.dtype, where="knn: ", extent=extent_range(pos.dtype, dim))
+    boxv = None if box is None else as_vector(box, dim, pos.dtype, "box")  # checked by _knn
     ids = getattr(part, "ids", None)
     size = rank_info().size
     if ids is None:
