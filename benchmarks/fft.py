@@ -81,7 +81,7 @@ def main() -> None:
     reference = np.asarray(cases[0][1](cases[0][2]))
     volumes = {}
     for name, fn, x, _ in cases:
-        volumes[name] = sx.fft.collective_bytes(fn.lower(x).compile())
+        volumes[name] = sx.comm.collective_bytes(fn.lower(x).compile())
         out = fn(x)
         if "jaxdecomp" not in name and "transposed" not in name:
             err = float(np.max(np.abs(np.asarray(out) - reference)) / np.max(np.abs(reference)))

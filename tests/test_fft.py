@@ -159,7 +159,7 @@ def test_bytes_moved_read_from_hlo() -> None:
             fn = jax.jit(lambda x, layout=layout, mesh=mesh, spec=spec: sx.fft.fftn(x, mesh=mesh, spec=spec,
                                                                                      layout=layout))
             x = _put(np.zeros(shape, np.complex64), mesh, spec)
-            volume = sx.fft.collective_bytes(fn.lower(x).compile())
+            volume = sx.comm.collective_bytes(fn.lower(x).compile())
             assert volume.ops == count * factor
             assert volume.bytes_sent == plan.bytes_moved(8) == theory * factor
 

@@ -51,7 +51,7 @@ def fft_checks() -> dict:
         errors[f"{label} rfftn"] = _max_error(real, np.fft.rfftn(r))
         errors[f"{label} irfftn"] = _max_error(sx.fft.irfftn(real, s=shape), r)
         compiled = jax.jit(lambda v, mesh=mesh, spec=spec: sx.fft.fftn(v, mesh=mesh, spec=spec, layout="transposed"))
-        volume = sx.fft.collective_bytes(compiled.lower(x).compile())
+        volume = sx.comm.collective_bytes(compiled.lower(x).compile())
         plan = sx.fft.plan(shape, spec, mesh=mesh, layout="transposed")
         specs[f"{label} volume"] = (volume.ops, volume.bytes_sent, len(plan.transposes), plan.bytes_moved(8))
     errors.update(_fields_checks())

@@ -22,7 +22,9 @@ from ._collectives import shift as shift
 from ._grouping import count_by_rank as count_by_rank
 from ._grouping import group_by_rank as group_by_rank
 from ._halo import halo_exchange as halo_exchange
+from ._volume import CollectiveVolume as CollectiveVolume
+from ._volume import collective_bytes as collective_bytes
 
-__all__ = ["ExchangeTuning", "allgather", "allreduce", "alltoall", "alltoallv", "barrier", "bcast", "chunk_ladder",
-           "count_by_rank", "exchange", "gather", "group_by_rank", "halo_exchange", "reduce", "scan", "scatter",
-           "sendrecv", "shift"]
+__all__ = ["CollectiveVolume", "ExchangeTuning", "allgather", "allreduce", "alltoall", "alltoallv", "barrier", "bcast",
+           "chunk_ladder", "collective_bytes", "count_by_rank", "exchange", "gather", "group_by_rank", "halo_exchange",
+           "reduce", "scan", "scatter", "sendrecv", "shift"]

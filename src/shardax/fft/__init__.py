@@ -18,13 +18,11 @@ from ._fftn import rfftn as rfftn
 from ._freq import fftfreq as fftfreq
 from ._freq import local_fftfreq as local_fftfreq
 from ._freq import rfftfreq as rfftfreq
-from ._hlo import CollectiveVolume as CollectiveVolume
-from ._hlo import collective_bytes as collective_bytes
 from ._plan import FFTPlan as FFTPlan
 from ._plan import Transform as Transform
 from ._plan import Transpose as Transpose
 
 __all__ = [
-    "CollectiveVolume", "FFTPlan", "Layout", "Transform", "Transpose", "collective_bytes", "fftfreq", "fftn", "ifftn",
+    "FFTPlan", "Layout", "Transform", "Transpose", "fftfreq", "fftn", "ifftn",
     "irfftn", "local_fftfreq", "local_fftn", "local_ifftn", "local_irfftn", "local_rfftn", "plan", "rfftfreq", "rfftn",
 ]

@@ -1,4 +1,6 @@
-"""Communication volume read from a compiled XLA program (not assumed from the algorithm)."""
+"""Communication volume read from a compiled XLA program (not assumed from the algorithm): how many all-to-all
+instructions it holds and how many bytes each device sends through them, for any kernel (the FFT's transposes, the
+exchange of particles)."""
 
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def collective_bytes(compiled: Any) -> CollectiveVolume:
 
     Example:
         >>> import shardax as sx
-        >>> sx.fft.collective_bytes("%a = (c64[4]{0}, c64[4]{0}) all-to-all(%x, %y), replica_groups={{0,1}}")
+        >>> sx.comm.collective_bytes("%a = (c64[4]{0}, c64[4]{0}) all-to-all(%x, %y), replica_groups={{0,1}}")
         CollectiveVolume(ops=1, bytes_sent=32)
     """
     text = compiled if isinstance(compiled, str) else compiled.as_text()
