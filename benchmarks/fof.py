@@ -65,13 +65,8 @@ def shardax_fof(pos: np.ndarray, linking_length: float, ndev: int, tuning: str |
     me, nproc = jax.process_index(), jax.process_count()
     rows = np.array_split(np.arange(len(pos)), nproc)[me]
     part = sx.particles.from_numpy(pos[rows], mesh=mesh)
-    options: dict = {"tuning": tuning}
-    for _ in range(4):
-        try:
-            res = fof.smap(mesh)(part, linking_length, box=1.0, min_members=2, **options)
-            break
-        except sx.CapacityError as err:
-            options[err.argument] = err.needed
+    res, sizes = sx.retry_capacity(fof.smap(mesh), part, linking_length, box=1.0, min_members=2, tuning=tuning)
+    options = {"tuning": tuning, **sizes}
 
     def run():
         out = fof.smap(mesh)(part, linking_length, box=1.0, min_members=2, **options)

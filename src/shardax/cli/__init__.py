@@ -1,4 +1,4 @@
-"""The ``shardax`` command line: ``launch``, ``doctor``, ``demo``, ``halos`` and ``bench``.
+"""The ``shardax`` command line: ``launch``, ``doctor``, ``demo``, ``halos``, ``nbody`` and ``bench``.
 
 ``shardax.cli.launch`` is the Python form of ``shardax launch``.
 """

@@ -230,7 +230,7 @@ def _global_fn(mesh: Mesh, fft_plan: FFTPlan, norm: Norm) -> Callable[[jax.Array
 
     mapped = smap(body, in_specs=(fft_plan.in_spec,), out_specs=fft_plan.out_spec, mesh=mesh,
                   expand=False)
-    # Several CPU devices of this process: compiled with operations kept whole (see runtime._compile).
+    # Several CPU devices of this process: compiled with operations kept whole (see shardax._compile).
     return compile_ahead(jax.jit(mapped), mesh.devices.flat)
 
 

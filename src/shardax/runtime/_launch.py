@@ -184,7 +184,7 @@ def mpirun_spec(argv: Sequence[str], *, num_processes: int, cpu_devices: int | N
     _check_count("num_processes", num_processes)
     env = process_env(env, cpu_devices=cpu_devices)
     command = [mpirun, "--allow-run-as-root", "--oversubscribe", "--tag-output", "-n", str(num_processes)]
-    exported = ("JAX_NUM_CPU_DEVICES", "SHARDAX_CPU_DEVICES", "PYTHONPATH", "PYTHONUNBUFFERED", *MALLOC_ENV)
+    exported = (*cpu_device_vars(1), "PYTHONPATH", "PYTHONUNBUFFERED", *MALLOC_ENV)
     for var in exported:
         if var in env:
             command += ["-x", var]
