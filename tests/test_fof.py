@@ -17,14 +17,13 @@ from shardax.particles import Particles
 from shardax.spatial._fof import fof, fof_steps
 from shardax.spatial._fof_local import piece_space
 from shardax.spatial._fof_tuning import GPU_TUNING, PRESETS, Tuning, resolve
+from shardax.testing import reference
 from test_fof_multiprocess import (
     MIN_MEMBERS,
     compare_catalogues,
     dense_boundaries,
     labels_by_input_index,
     mixed_periodic,
-    reference_catalogue,
-    reference_labels,
     uniform_open_2d,
 )
 from test_zsort import layout
@@ -54,8 +53,8 @@ def _global(data: dict, shape: tuple[int, ...], **kw) -> tuple[np.ndarray, dict[
 @pytest.fixture(scope="module")
 def mixed() -> tuple[dict, np.ndarray, dict[str, np.ndarray]]:
     data = mixed_periodic()
-    want = reference_labels(data["pos"], data["linking_length"], data["box"], MIN_MEMBERS)
-    return data, want, reference_catalogue(data["pos"], want, data["mass"], data["vel"], data["box"])
+    want = reference.fof_labels(data["pos"], data["linking_length"], box=data["box"], min_members=MIN_MEMBERS)
+    return data, want, reference.fof_catalogue(data["pos"], want, mass=data["mass"], vel=data["vel"], box=data["box"])
 
 
 def test_mixed_periodic_one_device(mixed) -> None:
@@ -121,13 +120,13 @@ def test_gpu_preset_steps_at_a_million() -> None:
     steps, res = fof_steps(part, ll, box=1.0, min_members=2, tuning="gpu")
     assert steps["links"] <= 16, steps
     assert steps["sort"] == 0 and steps["hooks"] == steps["sweeps"] <= 4 and steps["jumps"] <= 8, steps
-    np.testing.assert_array_equal(np.asarray(res.labels), reference_labels(pos, ll, 1.0, 2))
+    np.testing.assert_array_equal(np.asarray(res.labels), reference.fof_labels(pos, ll, box=1.0, min_members=2))
 
 
 def test_open_2d() -> None:
     data = uniform_open_2d()
-    want = reference_labels(data["pos"], data["linking_length"], None, 3)
-    cat = reference_catalogue(data["pos"], want, None, None, None)
+    want = reference.fof_labels(data["pos"], data["linking_length"], box=None, min_members=3)
+    cat = reference.fof_catalogue(data["pos"], want)
     assert len(cat["label"]) > 20
     for labels, got in (_local(data, min_members=3), _global(data, (8,), min_members=3)):
         np.testing.assert_array_equal(labels, want)
@@ -161,13 +160,13 @@ def test_degenerate_giant_and_empty() -> None:
     lonely = {"pos": (np.arange(300)[:, None] * np.array([[0.01, 0.0, 0.0]])).astype(np.float32), "vel": None,
               "mass": None, "linking_length": 0.005, "box": None}
     for data, minimum in ((giant, 20), (lonely, 2)):
-        want = reference_labels(data["pos"], data["linking_length"], None, minimum)
+        want = reference.fof_labels(data["pos"], data["linking_length"], box=None, min_members=minimum)
         for labels, got in (_local(data, min_members=minimum, edge_capacity=60000),
                             _global(data, (8,), min_members=minimum, edge_capacity=60000)):
             np.testing.assert_array_equal(labels, want)
-            compare_catalogues(got, reference_catalogue(data["pos"], want, None, None, None))
-    assert (reference_labels(giant["pos"], 0.2, None, 20) == 0).all()
-    assert (reference_labels(lonely["pos"], 0.005, None, 2) == -1).all()
+            compare_catalogues(got, reference.fof_catalogue(data["pos"], want))
+    assert (reference.fof_labels(giant["pos"], 0.2, box=None, min_members=20) == 0).all()
+    assert (reference.fof_labels(lonely["pos"], 0.005, box=None, min_members=2) == -1).all()
     # No particles at all (one padding row per device): no group, every label -1. (At 2 x 4 the mixed scenario's
     # program runs on rows that are all padding: tests/test_fof_multiprocess.py.)
     mesh = make_mesh((8,))
@@ -185,12 +184,12 @@ def test_without_ids_rows_are_numbered_in_device_order(shape: tuple[int, ...]) -
     pos = np.random.default_rng(21).random((700, 3)).astype(np.float32)
     counts = np.array([150, 0, 90, 110, 60, 120, 100, 70], np.int32)
     laid = layout(mesh, pos, counts, 160)  # ids: the input index, consecutive rows per device
-    want = reference_labels(pos, 0.06, 1.0, 3)
+    want = reference.fof_labels(pos, 0.06, box=1.0, min_members=3)
     for part in (Particles(pos=laid.pos, num=laid.num), Particles(pos=laid.pos, num=laid.num, ids=laid.ids)):
         res = fof.smap(mesh)(part, 0.06, box=1.0, min_members=3)
         got = labels_by_input_index(np.asarray(res.labels), np.asarray(laid.ids), counts, len(pos))
         np.testing.assert_array_equal(got, want)
-        compare_catalogues(res.catalogue.to_numpy(), reference_catalogue(pos, want, None, None, 1.0))
+        compare_catalogues(res.catalogue.to_numpy(), reference.fof_catalogue(pos, want, box=1.0))
     assert len(np.unique(want[want >= 0])) > 3
 
 
@@ -217,11 +216,11 @@ def test_search_corner_cases(case: str) -> None:
         ll, tuning = 0.04, tiny
     pos = pos[rng.permutation(len(pos))].astype(np.float32)
     data = {"pos": pos, "vel": None, "mass": None, "linking_length": ll, "box": box}
-    want = reference_labels(pos, ll, box, 2)
+    want = reference.fof_labels(pos, ll, box=box, min_members=2)
     for steps in (tuning, gpu_shaped._replace(table=tuning.table)):
         labels, got = _local(data, min_members=2, tuning=steps, edge_capacity=40000)
         np.testing.assert_array_equal(labels, want)
-        compare_catalogues(got, reference_catalogue(pos, want, None, None, None if box is None else box))
+        compare_catalogues(got, reference.fof_catalogue(pos, want, box=box))
     groups = np.bincount(want[want >= 0])
     assert (groups >= 100).any() == (case in ("clump_capped_grid", "open_2d_clump"))
     assert (groups >= 2).sum() >= 2 or (want == -1).any()
@@ -239,7 +238,7 @@ def test_open_extreme_coordinates_with_padding() -> None:
             pos[num - 1] = pos[0] + np.float32(0.01)  # one group, the other points alone
         pos[num:] = 0.0
         res = fof(Particles(pos=jnp.asarray(pos), num=jnp.int32(num)), 0.05, min_members=2)
-        want = reference_labels(pos[:num], 0.05, None, 2)
+        want = reference.fof_labels(pos[:num], 0.05, box=None, min_members=2)
         np.testing.assert_array_equal(np.asarray(res.labels)[:num], want)
         assert (want == -1).any() and (want >= 0).any() == (num > 2)
 
@@ -259,7 +258,7 @@ def test_plain_array_is_particles_without_fields() -> None:
     ``fof.smap`` (whose mapped function calls the local view on each device's ``(n, d)`` block)."""
     data = mixed_periodic()
     pos = data["pos"][:1600]
-    want = reference_labels(pos, data["linking_length"], data["box"], MIN_MEMBERS)
+    want = reference.fof_labels(pos, data["linking_length"], box=data["box"], min_members=MIN_MEMBERS)
     assert len(np.unique(want[want >= 0])) > 3
     res = fof(jnp.asarray(pos), data["linking_length"], box=data["box"], min_members=MIN_MEMBERS)
     np.testing.assert_array_equal(np.asarray(res.labels), want)
@@ -274,7 +273,7 @@ def test_plain_array_is_particles_without_fields() -> None:
     res = fof.smap(mesh)(jnp.asarray(pos.reshape(8, 200, 3)), data["linking_length"], box=data["box"],
                          min_members=MIN_MEMBERS, sort_capacity=400)
     np.testing.assert_array_equal(np.asarray(res.labels).reshape(-1), want)
-    compare_catalogues(res.catalogue.to_numpy(), reference_catalogue(pos, want, None, None, data["box"]))
+    compare_catalogues(res.catalogue.to_numpy(), reference.fof_catalogue(pos, want, box=data["box"]))
 
 
 def test_bad_plain_array() -> None:
@@ -287,8 +286,10 @@ def test_bad_plain_array() -> None:
         fof(jnp.zeros((8, 3), jnp.int32), 0.1)
     with pytest.raises(TypeError, match="part must be a particle pytree .* or an \\(n, d\\) array"):
         fof([[0.0, 0.0, 0.0]] * 8, 0.1)
-    with pytest.raises(ValueError, match="fof.smap: part must be a global particle pytree .* or an \\(ndev, n, d\\)"):
+    with pytest.raises(ValueError, match=r"fof.smap: part as a plain array must have shape \(ndev, n, d\).*call fof\(\)"):
         fof.smap(make_mesh((2,)))(jnp.zeros((8, 3)), 0.1)
+    with pytest.raises(TypeError, match=r"fof.smap: part must be a global particle pytree .* or an \(ndev, n, d\)"):
+        fof.smap(make_mesh((2,)))([[[0.0, 0.0, 0.0]]], 0.1)
 
 
 def test_bad_input() -> None:
@@ -315,7 +316,7 @@ def test_bad_input() -> None:
     bad = Particles(pos=good.pos.at[1, 2, 0].set(jnp.nan), num=good.num, ids=good.ids)
     with pytest.raises(ValueError, match="NaN"):
         fof.smap(mesh)(bad, 0.1)
-    with pytest.raises(ValueError, match="global particle pytree"):
+    with pytest.raises(ValueError, match=r"fof.smap: part.pos must have shape \(ndev, n, d\)"):
         fof.smap(mesh)(part, 0.1)
 
 
@@ -327,7 +328,7 @@ def test_capacity_error_names_the_argument() -> None:
         fof.smap(mesh)(part, 0.3, min_members=2, edge_capacity=16)
     assert err.value.argument == "edge_capacity" and err.value.needed > 16
     res = fof.smap(mesh)(part, 0.3, min_members=2, edge_capacity=err.value.needed)
-    want = reference_labels(pos, 0.3, None, 2)
+    want = reference.fof_labels(pos, 0.3, box=None, min_members=2)
     got = labels_by_input_index(np.asarray(res.labels), np.asarray(part.ids), np.asarray(part.num), len(pos))
     np.testing.assert_array_equal(got, want)
 
@@ -343,7 +344,7 @@ def test_halo_capacity_overflow_then_retry_on_eight_devices() -> None:
     assert err.value.argument == "halo_capacity" and err.value.needed > 16
     res = fof.smap(mesh)(part, 0.08, box=1.0, min_members=2, halo_capacity=err.value.needed)
     assert int(np.max(np.asarray(res.needed)[:, 1])) <= err.value.needed
-    want = reference_labels(pos, 0.08, 1.0, 2)
+    want = reference.fof_labels(pos, 0.08, box=1.0, min_members=2)
     got = labels_by_input_index(np.asarray(res.labels), np.asarray(part.ids), np.asarray(part.num), len(pos))
     np.testing.assert_array_equal(got, want)
 
@@ -357,7 +358,7 @@ def test_full_rows_and_sort_capacity_on_eight_devices() -> None:
     part = sx.particles.from_numpy(pos, mesh=mesh, capacity_factor=1.0)
     assert part.pos.shape[1] == 1000
     res = fof.smap(mesh)(part, 0.05, box=1.0, min_members=2)
-    want = reference_labels(pos, 0.05, 1.0, 2)
+    want = reference.fof_labels(pos, 0.05, box=1.0, min_members=2)
     got = labels_by_input_index(np.asarray(res.labels), np.asarray(part.ids), np.asarray(part.num), len(pos))
     np.testing.assert_array_equal(got, want)
     with pytest.raises(sx.CapacityError, match="sort_capacity") as err:
@@ -380,7 +381,7 @@ def test_unset_buffers_grow_and_are_remembered_on_eight_devices(monkeypatch) -> 
     monkeypatch.setattr(fof_module, "smap", lambda *a, **k: built.append(1) or original(*a, **k))
     res = fof.smap(mesh)(part, data["linking_length"], box=1.0, min_members=5)
     assert int(np.max(np.asarray(res.needed)[:, 1])) > 1024 and len(built) == 2
-    want = reference_labels(pos, data["linking_length"], 1.0, 5)
+    want = reference.fof_labels(pos, data["linking_length"], box=1.0, min_members=5)
     got = labels_by_input_index(np.asarray(res.labels), np.asarray(part.ids), np.asarray(part.num), len(pos))
     np.testing.assert_array_equal(got, want)
     again = fof.smap(mesh)(part, data["linking_length"], box=1.0, min_members=5)
@@ -421,7 +422,7 @@ def test_pieces_wrapping_the_box(dim: int, shapes: tuple[tuple[int, ...], ...]) 
     """Local grids over pieces that wrap the periodic box on some axes, at several device counts, clustered data
     (each mesh compiles its own program: two meshes in 2D, the unequal 2D mesh in 3D)."""
     data = _wrapped_clusters(dim, 20 + dim)
-    want = reference_labels(data["pos"], data["linking_length"], data["box"], 5)
+    want = reference.fof_labels(data["pos"], data["linking_length"], box=data["box"], min_members=5)
     assert (np.bincount(want[want >= 0]) >= 100).sum() >= 3
     labels, _ = _local(data, min_members=5)
     np.testing.assert_array_equal(labels, want)

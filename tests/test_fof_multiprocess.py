@@ -13,12 +13,10 @@ import jax
 import numpy as np
 import pytest
 from jax.experimental import multihost_utils
-from scipy.sparse import coo_matrix
-from scipy.sparse.csgraph import connected_components
-from scipy.spatial import cKDTree
 
 import shardax as sx
 from shardax.spatial._fof import fof
+from shardax.testing import reference
 
 MIN_MEMBERS = 5
 
@@ -52,54 +50,6 @@ def dense_boundaries(seed: int = 6) -> dict:
     rng = np.random.default_rng(seed)
     pos = rng.random((40000, 3)).astype(np.float32)
     return {"pos": pos, "vel": None, "mass": None, "linking_length": 0.7 / 40000 ** (1 / 3), "box": 1.0}
-
-
-def reference_labels(pos: np.ndarray, linking_length: float, box: float | None, min_members: int) -> np.ndarray:
-    """Labels by cKDTree.query_pairs + connected_components: smallest member index, -1 below min_members."""
-    pos64 = np.asarray(pos, np.float64)
-    if box is not None:
-        pos64 = pos64 % box
-    pairs = cKDTree(pos64, boxsize=box).query_pairs(linking_length, output_type="ndarray")
-    n = len(pos64)
-    graph = coo_matrix((np.ones(len(pairs)), (pairs[:, 0], pairs[:, 1])), shape=(n, n))
-    _, comp = connected_components(graph, directed=False)
-    smallest = np.full(comp.max() + 1, n)
-    np.minimum.at(smallest, comp, np.arange(n))
-    labels = smallest[comp]
-    labels[np.bincount(comp)[comp] < min_members] = -1
-    return labels
-
-
-def reference_catalogue(pos: np.ndarray, labels: np.ndarray, mass: np.ndarray | None, vel: np.ndarray | None,
-                        box: float | None) -> dict[str, np.ndarray]:
-    """The catalogue of the labelled groups, in float64, sorted by label (``spanning``: groups too wide for a
-    periodic centre of mass)."""
-    pos = np.asarray(pos, np.float64)
-    dim = pos.shape[1]
-    mass = np.ones(len(pos)) if mass is None else np.asarray(mass, np.float64)
-    vel = np.zeros_like(pos) if vel is None else np.asarray(vel, np.float64)
-    out: dict[str, list] = {k: [] for k in ("count", "mass", "com", "vel", "radius", "label", "spanning")}
-    for label in np.unique(labels[labels >= 0]):
-        idx = np.flatnonzero(labels == label)
-        m = mass[idx]
-        d = pos[idx] - pos[idx[0]]
-        if box is not None:
-            d -= box * np.round(d / box)
-        com = pos[idx[0]] + (m[:, None] * d).sum(0) / m.sum()
-        dc = pos[idx] - com
-        if box is not None:
-            dc -= box * np.round(dc / box)
-            com = com % box
-        out["count"].append(len(idx))
-        out["mass"].append(m.sum())
-        out["com"].append(com)
-        out["vel"].append((m[:, None] * vel[idx]).sum(0) / m.sum())
-        out["radius"].append(np.sqrt((m * (dc * dc).sum(1)).sum() / m.sum()))
-        out["label"].append(label)
-        # A group as wide as half the periodic box (the filament ring) has no well-defined centre.
-        out["spanning"].append(box is not None and bool(np.any(np.ptp(d, axis=0) > 0.5 * box)))
-    shapes = {"com": (0, dim), "vel": (0, dim)}
-    return {k: np.asarray(v) if v else np.zeros(shapes.get(k, (0,))) for k, v in out.items()}
 
 
 def labels_by_input_index(labels: np.ndarray, ids: np.ndarray, num: np.ndarray, total: int) -> np.ndarray:
@@ -220,14 +170,14 @@ def _refused_inputs() -> dict:
 def test_fof_two_processes(tmp_path) -> None:
     results = sx.testing.run_distributed(_distributed_body, str(tmp_path), num_processes=2, cpu_devices=4)
     for name, data in _scenarios():
-        want = reference_labels(data["pos"], data["linking_length"], data["box"], MIN_MEMBERS)
-        cat = reference_catalogue(data["pos"], want, data["mass"], data["vel"], data["box"])
+        want = reference.fof_labels(data["pos"], data["linking_length"], box=data["box"], min_members=MIN_MEMBERS)
+        cat = reference.fof_catalogue(data["pos"], want, mass=data["mass"], vel=data["vel"], box=data["box"])
         for res in results:
             np.testing.assert_array_equal(res[name]["labels"], want)
             compare_catalogues(res[name]["catalogue"], cat)
         assert len(np.unique(want[want >= 0])) > 3, name
     data = mixed_periodic()
-    plain = reference_labels(data["pos"][:PLAIN_ROWS], data["linking_length"], data["box"], MIN_MEMBERS)
+    plain = reference.fof_labels(data["pos"][:PLAIN_ROWS], data["linking_length"], box=data["box"], min_members=MIN_MEMBERS)
     for res in results:
         np.testing.assert_array_equal(res["plain"], plain)
         refused = res["refused"]

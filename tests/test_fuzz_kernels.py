@@ -30,8 +30,9 @@ import shardax as sx
 from conftest import make_mesh
 from shardax.particles import Particles
 from shardax.spatial import fof, knn
+from shardax.testing import reference
 from shardax.testing.reference import cic_paint
-from test_fof_multiprocess import labels_by_input_index, reference_labels
+from test_fof_multiprocess import labels_by_input_index
 
 
 def fuzz(examples: int) -> settings:
@@ -178,7 +179,7 @@ def fof_labels_ok(labels: np.ndarray, pos: np.ndarray, ll: float, box: float | N
         assert not len(labels)
         return
     pos = ftz(pos).astype(np.float64)
-    low, high = (reference_labels(pos, ll * f, box, min_members) for f in (1 - 1e-5, 1 + 1e-5))
+    low, high = (reference.fof_labels(pos, ll * f, box=box, min_members=min_members) for f in (1 - 1e-5, 1 + 1e-5))
     if np.array_equal(low, high):
         np.testing.assert_array_equal(labels, low)
     else:

@@ -17,7 +17,8 @@ import shardax as sx
 from conftest import make_mesh
 from shardax.particles import Particles
 from shardax.spatial._catalogue import Catalogue
-from test_fof_multiprocess import mixed_periodic, reference_catalogue, reference_labels
+from shardax.testing import reference
+from test_fof_multiprocess import mixed_periodic
 
 
 def _particles(mesh_shape: tuple[int, ...] = (4,)) -> Particles:
@@ -202,8 +203,8 @@ def test_bad_snapshots(tmp_path) -> None:
 
 def fof_table_reference(data: dict, min_members: int) -> dict[str, np.ndarray]:
     """What a group catalogue of ``data`` must hold, from SciPy's connected components on all the particles."""
-    labels = reference_labels(data["pos"], data["linking_length"], data["box"], min_members)
-    cat = reference_catalogue(data["pos"], labels, data["mass"], data["vel"], data["box"])
+    labels = reference.fof_labels(data["pos"], data["linking_length"], box=data["box"], min_members=min_members)
+    cat = reference.fof_catalogue(data["pos"], labels, mass=data["mass"], vel=data["vel"], box=data["box"])
     members = np.flatnonzero(labels >= 0)
     members = members[np.lexsort((members, labels[members]))]
     return {"GroupLen": cat["count"], "GroupMass": cat["mass"], "GroupPos": cat["com"], "GroupVel": cat["vel"],

@@ -20,6 +20,7 @@ from shardax.spatial import KnnTuning, knn
 from shardax.spatial._knn_dist import _aligned_runs
 from shardax.spatial._knn_local import local_knn_steps
 from shardax.spatial._knn_pass import _kept_before, smallest
+from shardax.testing import reference
 from shardax.testing.reference import morton_keys
 
 
@@ -27,17 +28,6 @@ def ref_knn(pos: np.ndarray, k: int, box: float | tuple | None, query: np.ndarra
     tree = cKDTree(np.asarray(pos, np.float64), boxsize=box)
     d, i = tree.query(np.asarray(pos if query is None else query, np.float64), k=k)
     return d.reshape(len(d), k), i.reshape(len(i), k)
-
-
-def exact_ref(pos: np.ndarray, k: int, box: float | None) -> tuple[np.ndarray, np.ndarray]:
-    """Brute force in float64 with ties by index (exact for small-integer coordinates)."""
-    dx = pos[:, None, :] - pos[None, :, :]
-    if box is not None:
-        dx = dx - box * np.round(dx / box)
-    d2 = np.sum(dx * dx, axis=-1)
-    idx = np.broadcast_to(np.arange(len(pos)), d2.shape)
-    order = np.lexsort((idx, d2), axis=-1)[:, :k]
-    return np.sqrt(np.take_along_axis(d2, order, axis=1)), order
 
 
 def check_against(res_d: np.ndarray, res_i: np.ndarray, ref_d: np.ndarray, ref_i: np.ndarray, dtype) -> None:
@@ -91,7 +81,7 @@ def test_lattice_ties_by_index(box: float | None) -> None:
     pos = np.stack(np.meshgrid(g, g, g, indexing="ij"), -1).reshape(-1, 3)
     pos = pos[np.random.default_rng(2).permutation(len(pos))]
     res = jitted(27, box)(jnp.asarray(pos))
-    ref_d, ref_i = exact_ref(pos.astype(np.float64), 27, box)
+    ref_d, ref_i = reference.brute_knn(pos.astype(np.float64), 27, box=box)
     np.testing.assert_allclose(np.asarray(res.distances), ref_d, rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(res.indices), ref_i)
 
@@ -106,7 +96,7 @@ def test_duplicates_boundaries_and_k_equals_n() -> None:
     for box in (None, 1.0):
         res = knn(part, 30, box=box)
         wrapped = pos % 1.0 if box else pos
-        ref_d, ref_i = exact_ref(wrapped.astype(np.float64), 30, box)
+        ref_d, ref_i = reference.brute_knn(wrapped.astype(np.float64), 30, box=box)
         d, i = np.asarray(res.distances), np.asarray(res.indices)
         np.testing.assert_allclose(d[:30], ref_d, rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(i[:30, :12], ref_i[:, :12])
@@ -173,8 +163,10 @@ def test_bad_input() -> None:
         knn(jnp.ones((5, 3), jnp.int32), 2)
     with pytest.raises(TypeError, match="particle pytree"):
         knn([[0.0, 0.0]], 1)
-    # The global view refuses what is not a global particle pytree before anything is traced.
+    # The global view refuses what is not a global particle pytree or (ndev, n, d) array before anything is traced.
     with pytest.raises(TypeError, match=r"knn.smap: part must be a global particle pytree with .pos and .num"):
+        knn.smap(make_mesh((2,)))([[[0.0, 0.0]]], 3)
+    with pytest.raises(ValueError, match=r"knn.smap: part as a plain array must have shape \(ndev, n, d\)"):
         knn.smap(make_mesh((2,)))(pos, 3)
     with pytest.raises(ValueError, match=r"knn.smap: part.pos must have shape \(ndev, n, d\).*call knn\(\) for"):
         knn.smap(make_mesh((2,)))(part, 3)
@@ -416,7 +408,7 @@ def test_gpu_tuning_lattice_ties() -> None:
     tuning = KnnTuning(preset="gpu", brute_queries=16, brute_tile=100)  # several chunks and tiles, a ragged last
     for box in (None, 6.0):
         res = knn(jnp.asarray(pos), 27, box=box, tuning=tuning)
-        ref_d, ref_i = exact_ref(pos.astype(np.float64), 27, box)
+        ref_d, ref_i = reference.brute_knn(pos.astype(np.float64), 27, box=box)
         np.testing.assert_allclose(np.asarray(res.distances), ref_d, rtol=1e-6)
         np.testing.assert_array_equal(np.asarray(res.indices), ref_i)
 
@@ -516,7 +508,7 @@ def test_union_selection_is_the_threshold_selection() -> None:
     g = np.arange(6, dtype=np.float32)
     lattice = np.stack(np.meshgrid(g, g, g, indexing="ij"), -1).reshape(-1, 3)
     res = knn(jnp.asarray(lattice), 27, box=6.0, tuning=KnnTuning(preset="gpu", select="union", select_width=32))
-    np.testing.assert_array_equal(np.asarray(res.indices), exact_ref(lattice.astype(np.float64), 27, 6.0)[1])
+    np.testing.assert_array_equal(np.asarray(res.indices), reference.brute_knn(lattice.astype(np.float64), 27, box=6.0)[1])
 
 
 def test_kept_before_is_an_exclusive_prefix_sum() -> None:
@@ -539,7 +531,7 @@ def test_tied_queries_certified_without_brute_force(preset: str) -> None:
     pos[[5, 700, 1400, 2999]] = pos[5]  # four copies: distance 0 to each other, the 3rd and 4th neighbour tied
     n, k = len(pos), 3
     ok, ids = jnp.ones(n, bool), jnp.arange(n, dtype=jnp.int32)
-    ref_d, ref_i = exact_ref(pos.astype(np.float64), k, 1.0)
+    ref_d, ref_i = reference.brute_knn(pos.astype(np.float64), k, box=1.0)
     other = knn(jnp.asarray(pos), k, box=1.0, tuning="gpu" if preset == "cpu" else "cpu")
     # Compacted passes of 256 blocks a step, or of 4 when no more are left.
     tuning = KnnTuning(preset=preset, later_batch=256)
@@ -655,7 +647,7 @@ def test_small_tuning_reaches_every_phase(box: float | None) -> None:
     assert rest == 0 and 2 <= chunks < n // SMALL_TUNING.brute_queries, steps
     distances, indices = np.sqrt(np.asarray(dist2)), np.asarray(rows)
     # NumPy brute force with ties by index (cKDTree may pick another of the copies for a tied last column).
-    ref_d, ref_i = exact_ref(pos.astype(np.float64), k, box)
+    ref_d, ref_i = reference.brute_knn(pos.astype(np.float64), k, box=box)
     check_against(distances, indices, ref_d, ref_i, np.float32)
     # The tied copies: distance 0 to each other, ordered by index.
     copies = np.r_[120:132, 200]
@@ -673,5 +665,5 @@ def test_small_tuning_on_eight_devices() -> None:
     one = jitted(9, None, tuning=SMALL_TUNING)(jnp.asarray(pos))
     np.testing.assert_array_equal(i, np.asarray(one.indices))
     np.testing.assert_array_equal(d, np.asarray(one.distances))
-    ref_d, ref_i = exact_ref(pos.astype(np.float64), 9, None)
+    ref_d, ref_i = reference.brute_knn(pos.astype(np.float64), 9, box=None)
     check_against(d, i, ref_d, ref_i, np.float32)

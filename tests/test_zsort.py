@@ -22,33 +22,12 @@ from jax.sharding import PartitionSpec as P
 
 import shardax as sx
 from shardax.particles import Particles, conservation, domain, ids_checksum_numpy, squeeze, zsort
+from shardax.testing import reference
 
 N = 509  # not divisible by any device count > 1: equalised counts differ by one
 
 
 # ---------------------------------------------------------------- NumPy reference
-
-
-def ref_keys(pos: np.ndarray, box: float | None) -> np.ndarray:
-    """uint64 Morton keys, one bit at a time: bit i of axis k goes to bit d * i + k."""
-    dim = pos.shape[1]
-    bits = {2: 31, 3: 21}[dim]
-    dt = pos.dtype
-    if box is None:
-        origin = pos.min(axis=0)
-        top = pos.max(axis=0)
-        extent = np.where(top > origin, top - origin, 1).astype(dt)
-    else:
-        origin = np.zeros(dim, dt)
-        extent = np.full(dim, box, dt)
-        pos = ref_wrap(pos, box)
-    f = np.clip(np.floor((pos - origin) * (dt.type(2.0**bits) / extent)), 0, 2.0**bits)
-    cells = np.minimum(f.astype(np.uint64), np.uint64(2**bits - 1))
-    key = np.zeros(len(pos), np.uint64)
-    for i in range(bits):
-        for k in range(dim):
-            key |= ((cells[:, k] >> np.uint64(i)) & np.uint64(1)) << np.uint64(dim * i + k)
-    return key
 
 
 def ref_wrap(pos: np.ndarray, box: float) -> np.ndarray:
@@ -58,7 +37,7 @@ def ref_wrap(pos: np.ndarray, box: float) -> np.ndarray:
 
 def check_sorted(inp: dict[str, np.ndarray], out: dict[str, np.ndarray], box: float | None) -> None:
     """``out`` (squeezed zsort result) is ``inp`` (squeezed input) in stable Morton order, field by field."""
-    order = np.argsort(ref_keys(inp["pos"], box), kind="stable")
+    order = np.argsort(reference.morton_keys(inp["pos"], box=box), kind="stable")
     assert set(out) == set(inp)
     for name in inp:
         expected = inp[name][order]
@@ -226,7 +205,7 @@ def check_domain(mesh: Mesh) -> Any:
     clo, chi = to_host(dom.cell_lower), to_host(dom.cell_upper)
     assert dom.periodic
     for r in range(ndev):
-        keys = ref_keys(pos[r, : num[r]], 1.0)
+        keys = reference.morton_keys(pos[r, : num[r]], box=1.0)
         assert np.all(np.diff(keys.astype(np.float64)) >= 0)
         assert (int(first[r, 0]) << 32 | int(first[r, 1])) == int(keys[0])
         assert (int(last[r, 0]) << 32 | int(last[r, 1])) == int(keys[-1])
@@ -269,7 +248,7 @@ def test_zsort_single_device_local_view() -> None:
                      ids=jnp.arange(256, dtype=jnp.int32))
     out, overflow = jax.jit(lambda p: zsort(p, box=None))(part)
     assert not bool(overflow) and int(out.num) == 200
-    order = np.argsort(ref_keys(pos, None), kind="stable")
+    order = np.argsort(reference.morton_keys(pos, box=None), kind="stable")
     np.testing.assert_array_equal(np.asarray(out.pos)[:200], pos[order])
     np.testing.assert_array_equal(np.asarray(out.ids)[:200], order)
     small, overflow = jax.jit(lambda p: zsort(p, capacity=100))(part)
@@ -445,7 +424,7 @@ def test_zsort_duck_typed_pytree() -> None:
     np.testing.assert_array_equal(np.asarray(out.scalar), np.arange(4))
     flat = {k: np.concatenate([np.asarray(v)[r, :n] for r in range(4)]) for k, v in
             (("pos", pos), ("tag", tag), ("charge", charge))}
-    keys = ref_keys(flat["pos"] / np.array([1.0, 2.0], np.float32), 1.0)
+    keys = reference.morton_keys(flat["pos"] / np.array([1.0, 2.0], np.float32), box=1.0)
     order = np.argsort(keys, kind="stable")
     res = squeeze(out)
     np.testing.assert_array_equal(res["tag"], flat["tag"][order])

@@ -43,9 +43,17 @@ def particle_set(part: Any, where: str, *, name: str = "part", dims: tuple[int, 
     if part.dtype not in (np.float32, np.float64):
         raise TypeError(f"{where}: {name} must hold float32 or float64 positions, got dtype {part.dtype}; cast it "
                         f"with {name}.astype(jnp.float32)")
-    from .particles import Particles  # the particle data model sits above this module
+    from .core import vary_like  # (the mapped-body helpers and the particle data model sit above this module)
+    from .particles import Particles
 
-    return Particles(pos=jnp.asarray(part), num=jnp.int32(part.shape[0]))
+    pos = jnp.asarray(part)
+    return Particles(pos=pos, num=vary_like(jnp.int32(part.shape[0]), pos))
+
+
+def spare_rows(n: int) -> int:
+    """Rows the distributed kernels add to each device's ``n`` rows of a plain position array (which has none to
+    spare) for the uneven pieces of their z-order sort on several devices."""
+    return n // 8 + 64
 
 
 def row_count(part: Any) -> int:
@@ -76,16 +84,27 @@ def check_positions(part: Any, where: str) -> tuple[int, int]:
     return n, int(jnp.shape(pos)[1])
 
 
-def check_global(part: Any, where: str, local: str) -> None:
-    """Clear errors for anything but a global-view particle pytree (``pos (ndev, n, d)``, counts in range);
-    ``local`` names the local-view function to call instead."""
+def check_global(part: Any, where: str, local: str, name: str = "part") -> Any:
+    """The positions ``(ndev, n, d)`` of a global-view particle pytree (counts in range) or of a plain
+    ``(ndev, n, d)`` float array (every row a particle: the mapped body takes each device's block through
+    :func:`particle_set`), with clear errors for anything else; ``local`` names the local-view function to call
+    instead."""
+    if isinstance(part, jax.Array | np.ndarray):
+        if part.ndim != 3:
+            raise ValueError(f"{where}: {name} as a plain array must have shape (ndev, n, d) (global view), got "
+                             f"{part.shape}; call {local}() for the local view")
+        if part.dtype not in (np.float32, np.float64):
+            raise TypeError(f"{where}: {name} must hold float32 or float64 positions, got dtype {part.dtype}; cast "
+                            f"it with {name}.astype(jnp.float32)")
+        return part
     if getattr(part, "pos", None) is None or not hasattr(part, "num"):
-        raise TypeError(f"{where}: part must be a global particle pytree with .pos and .num, got "
-                        f"{type(part).__name__}")
+        raise TypeError(f"{where}: {name} must be a global particle pytree with .pos and .num or an (ndev, n, d) "
+                        f"array of positions, got {type(part).__name__}")
     if jnp.ndim(part.pos) != 3:
-        raise ValueError(f"{where}: part.pos must have shape (ndev, n, d) (e.g. from shardax.particles.from_numpy), "
-                         f"got {jnp.shape(part.pos)}; call {local}() for the local view")
-    check_count(part.num, int(jnp.shape(part.pos)[1]), where)
+        raise ValueError(f"{where}: {name}.pos must have shape (ndev, n, d) (e.g. from shardax.particles."
+                         f"from_numpy), got {jnp.shape(part.pos)}; call {local}() for the local view")
+    check_count(part.num, int(jnp.shape(part.pos)[1]), where, f"{name}.num")
+    return part.pos
 
 
 def check_count(num: Any, n: int, where: str, name: str = "part.num") -> None:

@@ -19,9 +19,9 @@ from .._alltoallv import alltoallv_many, exchange_counts_and_max
 from .._bounds import bounds_layout, check_bounds, check_part, mapped_checks
 from .._errors import CapacityError
 from .._exchange import default_chunk
-from .._pytree import check_count, check_positions, row_count
+from .._pytree import check_count, check_global, check_positions, particle_set, row_count
 from .._tuning import tuning_backend
-from ..core import ALL, default_mesh, rank_info, smap
+from ..core import ALL, default_mesh, rank_info, smap, vary_like
 from ..particles import Particles
 from ._grid import Grid, _box3, _shape3, cell_index, default_spec, field_sharding
 
@@ -152,12 +152,16 @@ def _weights(frac: jax.Array, corner: tuple[int, ...]) -> jax.Array:
     return w
 
 
-def _check(part: Any, where: str) -> None:
+def _local_set(part: Any, where: str) -> Any:
+    """``part`` as a particle pytree (a plain `(n, 3)` position array: every row a particle of unit mass), checked:
+    3D positions, finite valid rows."""
+    part = particle_set(part, where, dims=(3,), global_view=where.removeprefix("local_"))
     check_positions(part, where)
     if jnp.shape(part.pos)[1] != 3:
         raise ValueError(f"{where}: part.pos must have 3 columns (3D positions), got {jnp.shape(part.pos)}")
     if not isinstance(part.pos, Tracer) and not isinstance(part.num, Tracer):
         _raise_nonfinite(where, int(_nonfinite(part)))
+    return part
 
 
 def _nonfinite(part: Any) -> jax.Array:
@@ -166,17 +170,18 @@ def _nonfinite(part: Any) -> jax.Array:
     return comm.allreduce(jnp.sum(valid & ~jnp.all(jnp.isfinite(part.pos), axis=1), dtype=jnp.int32))
 
 
-def _check_global(part: Any, where: str) -> None:
-    """Clear errors for global particles that the mapped kernels could not take."""
-    if getattr(part, "pos", None) is None or not hasattr(part, "num"):
-        raise TypeError(f"{where}: part must be a global particle pytree with .pos and .num (e.g. from "
-                        f"shardax.particles.from_numpy), got {type(part).__name__}")
-    shape = jnp.shape(part.pos)
-    if len(shape) != 3 or shape[2] != 3:
-        raise ValueError(f"{where}: part.pos must have shape (ndev, n, 3) (e.g. from shardax.particles.from_numpy), "
+def _check_global(part: Any, where: str) -> Any:
+    """The positions ``(ndev, n, 3)`` of global particles (a pytree, or a plain array of positions), with clear
+    errors for what the mapped kernels could not take."""
+    pos = check_global(part, where, f"local_{where}")
+    shape = jnp.shape(pos)
+    if shape[2] != 3:
+        raise ValueError(f"{where}: positions must have shape (ndev, n, 3) (e.g. from shardax.particles.from_numpy), "
                          f"got {shape}; local_{where} takes the local view")
-    if jnp.result_type(part.pos) not in (jnp.float32, jnp.float64):
-        raise TypeError(f"{where}: part.pos must be float32 or float64, got dtype {jnp.result_type(part.pos)}")
+    if jnp.result_type(pos) not in (jnp.float32, jnp.float64):
+        raise TypeError(f"{where}: part.pos must be float32 or float64, got dtype {jnp.result_type(pos)}")
+    if pos is part:
+        return pos
     if jnp.shape(part.num) != shape[:1]:
         raise ValueError(f"{where}: part.num must have shape {shape[:1]} (one count per device), got "
                          f"{jnp.shape(part.num)}")
@@ -185,6 +190,7 @@ def _check_global(part: Any, where: str) -> None:
     if mass is not None and jnp.shape(mass) != shape[:2]:
         raise ValueError(f"{where}: part.mass must have shape {shape[:2]} (one mass per row of part.pos), got "
                          f"{jnp.shape(mass)}")
+    return pos
 
 
 def _capacity(capacity: int | None, part: Any) -> int:
@@ -205,7 +211,8 @@ def local_paint(part: Any, shape: Sequence[int], *, box: Any, spec: Any = None, 
     ``sx.comm.shift``, diagonal neighbours included). The box is periodic.
 
     Args:
-        part: particles (`pos (n, 3)`, `num`, optional `mass (n,)`; unit masses without it).
+        part: particles (`pos (n, 3)`, `num`, optional `mass (n,)`; unit masses without it), or a plain `(n, 3)`
+            array of positions.
         shape: global grid shape ``(n0, n1, n2)``; grid point ``i`` sits at ``i * box / n``.
         box: periodic box size, one number or three.
         spec: the field's split over mesh axes (every axis of size > 1 must appear); ignored outside ``smap``.
@@ -222,7 +229,7 @@ def local_paint(part: Any, shape: Sequence[int], *, box: Any, spec: Any = None, 
         >>> float(rho.sum()), float(rho[1, 2, 2])
         (1.0, 1.0)
     """
-    _check(part, "local_paint")
+    part = _local_set(part, "local_paint")
     check_part(part, box, "local_paint")
     grid = Grid.local(shape, spec, box, "local_paint")
     owned = _to_owners(part, grid, _capacity(capacity, part), {"mass": _masses(part)})
@@ -283,7 +290,7 @@ def local_readout(field: jax.Array, part: Any, *, box: Any, spec: Any = None, ca
 
     Args:
         field: this device's block of the field, `(b0, b1, b2)` or `(b0, b1, b2, *components)`.
-        part: particles (`pos (n, 3)`, `num`).
+        part: particles (`pos (n, 3)`, `num`), or a plain `(n, 3)` array of positions.
         box: periodic box size, one number or three.
         spec: the field's split over mesh axes (of its first three axes); ignored outside ``smap``.
         capacity: particles a device may receive (default: the capacity of ``part``).
@@ -300,7 +307,7 @@ def local_readout(field: jax.Array, part: Any, *, box: Any, spec: Any = None, ca
         >>> float(values[0])
         8.0
     """
-    _check(part, "local_readout")
+    part = _local_set(part, "local_readout")
     check_part(part, box, "local_readout")
     if np.ndim(field) < 3:
         raise ValueError(f"local_readout: field must be this device's 3D block (with optional trailing component "
@@ -320,7 +327,8 @@ def local_paint_readout(part: Any, shape: Sequence[int], solve: Callable[[jax.Ar
     through a Poisson solve to forces, or a smoothed density at each particle). The results are the same bits.
 
     Args:
-        part: particles (`pos (n, 3)`, `num`, optional `mass (n,)`; unit masses without it).
+        part: particles (`pos (n, 3)`, `num`, optional `mass (n,)`; unit masses without it), or a plain `(n, 3)`
+            array of positions.
         shape: global grid shape ``(n0, n1, n2)``; grid point ``i`` sits at ``i * box / n``.
         solve: maps this device's block of the mass field `(b0, b1, b2)` to the block of the fields to read,
             `(b0, b1, b2)` or `(b0, b1, b2, *components)`, split like the mass field (it may call collectives:
@@ -341,7 +349,7 @@ def local_paint_readout(part: Any, shape: Sequence[int], solve: Callable[[jax.Ar
         >>> values.tolist()
         [2.0, 2.0]
     """
-    _check(part, "local_paint_readout")
+    part = _local_set(part, "local_paint_readout")
     check_part(part, box, "local_paint_readout")
     grid = Grid.local(shape, spec, box, "local_paint_readout")
     owned = _to_owners(part, grid, _capacity(capacity, part), {"mass": _masses(part)})
@@ -353,7 +361,9 @@ def local_paint_readout(part: Any, shape: Sequence[int], solve: Callable[[jax.Ar
 
 
 def _rows(part: Any) -> dict[str, jax.Array]:
-    """The global particle arrays the kernels need (``None`` fields left out)."""
+    """The global particle arrays the kernels need (``None`` fields left out; a plain position array alone)."""
+    if isinstance(part, jax.Array | np.ndarray):
+        return {"pos": jnp.asarray(part)}
     rows = {"pos": part.pos, "num": part.num}
     if getattr(part, "mass", None) is not None:
         rows["mass"] = part.mass
@@ -363,7 +373,8 @@ def _rows(part: Any) -> dict[str, jax.Array]:
 def _local_part(rows: dict[str, jax.Array]) -> Particles:
     """One device's particles from its ``(1, ...)`` slices of the global arrays."""
     local = {name: a.reshape(a.shape[1:]) for name, a in rows.items()}
-    return Particles(pos=local["pos"], num=local["num"], mass=local.get("mass"))
+    num = local["num"] if "num" in local else vary_like(jnp.int32(local["pos"].shape[0]), local["pos"])  # every row
+    return Particles(pos=local["pos"], num=num, mass=local.get("mass"))
 
 
 def _raise_nonfinite(name: str, count: int) -> None:
@@ -377,8 +388,8 @@ def _raise_capacity(name: str, needed: int, capacity: int) -> None:
                             f"capacity={needed} or more", needed=needed, available=capacity, argument="capacity")
 
 
-def _particle_mesh(part: Any, mesh: Mesh | None) -> Mesh:
-    sharding = getattr(part.pos, "sharding", None)
+def _particle_mesh(pos: Any, mesh: Mesh | None) -> Mesh:
+    sharding = getattr(pos, "sharding", None)
     if mesh is None and isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
         return sharding.mesh
     return default_mesh(mesh)
@@ -416,7 +427,8 @@ def paint(part: Any, shape: Sequence[int], *, box: Any, mesh: Mesh | None = None
     """Cloud-in-cell mass field of distributed particles on a distributed periodic grid.
 
     Args:
-        part: global particles (fields `(ndev, cap, ...)`, `num (ndev,)`, as from ``sx.particles.from_numpy``).
+        part: global particles (fields `(ndev, cap, ...)`, `num (ndev,)`, as from ``sx.particles.from_numpy``),
+            or a plain `(ndev, cap, 3)` array of positions (every row a particle of unit mass).
         shape: global grid shape ``(n0, n1, n2)``; grid point ``i`` sits at ``i * box / n``.
         box: periodic box size, one number or three.
         mesh: the mesh (default: that of ``part.pos``, else the context mesh, else ``sx.flat_mesh()``).
@@ -438,15 +450,15 @@ def paint(part: Any, shape: Sequence[int], *, box: Any, mesh: Mesh | None = None
         >>> round(float(rho.sum()))
         1000
     """
-    _check_global(part, "paint")
-    the_mesh = _particle_mesh(part, mesh)
+    pos = _check_global(part, "paint")
+    the_mesh = _particle_mesh(pos, mesh)
     the_spec = default_spec(the_mesh) if spec is None else spec
     shape3 = _shape3(shape)
     box_key = box if isinstance(box, int | float) else _box3(box)
     backend = tuning_backend(the_mesh.devices)
     field, checks = _paint_fn(the_mesh, shape3, box_key, the_spec, capacity, backend)(_rows(part))
     if not _flags.is_traced(checks):  # (under an outer jit nothing can be checked)
-        _raise_errors("paint", checks, part.pos, box, capacity or part.pos.shape[1])
+        _raise_errors("paint", checks, pos, box, capacity or pos.shape[1])
     return field
 
 
@@ -468,7 +480,8 @@ def readout(field: jax.Array, part: Any, *, box: Any, mesh: Mesh | None = None, 
     Args:
         field: global field `(n0, n1, n2)`, or `(n0, n1, n2, *components)` to read several components in one trip
             of the particles (its sharding gives the mesh and spec unless passed).
-        part: global particles (fields `(ndev, cap, ...)`, `num (ndev,)`).
+        part: global particles (fields `(ndev, cap, ...)`, `num (ndev,)`), or a plain `(ndev, cap, 3)` array of
+            positions.
         box: periodic box size, one number or three.
         mesh: the mesh (default: the field's).
         spec: the field's ``PartitionSpec`` (default: the field's own).
@@ -485,11 +498,11 @@ def readout(field: jax.Array, part: Any, *, box: Any, mesh: Mesh | None = None, 
         >>> sx.fields.readout(rho, part, box=1.0).shape == part.pos.shape[:2]
         True
     """
-    _check_global(part, "readout")
+    pos = _check_global(part, "readout")
     the_mesh, the_spec = field_sharding(field, mesh, spec, "readout")
     box_key = box if isinstance(box, int | float) else _box3(box)
     backend = tuning_backend(the_mesh.devices)
     values, checks = _readout_fn(the_mesh, box_key, the_spec, capacity, backend)(field, _rows(part))
     if not _flags.is_traced(checks):
-        _raise_errors("readout", checks, part.pos, box, capacity or part.pos.shape[1])
+        _raise_errors("readout", checks, pos, box, capacity or pos.shape[1])
     return values

@@ -19,7 +19,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from .._morton import INVALID_KEY, KEY_BITS_PER_DIM, Box, KeyBox, key_box, morton_key
-from .._pytree import check_positions
+from .._pytree import check_positions, particle_set
 from .._tuning import tuning_backend
 from ..comm import allgather
 from ..core import distributed
@@ -170,7 +170,8 @@ def domain(part: Any, *, box: Box | None = None, num_cells: int = 64) -> Domain:
     ``zsort(..., return_domain=True)``'s third output.
 
     Args:
-        part: z-sorted particle pytree (``.pos (n, d)``, ``.num``).
+        part: z-sorted particle pytree (``.pos (n, d)``, ``.num``), or a plain `(n, d)` array of z-sorted
+            positions.
         box: periodic box size or ``None`` (bounding box of the particles), as in :func:`zsort`.
         num_cells: top-level cells per device (static).
 
@@ -184,6 +185,7 @@ def domain(part: Any, *, box: Box | None = None, num_cells: int = 64) -> Domain:
         >>> dom.counts.tolist(), int(dom.cell_count.sum())
         ([1000], 1000)
     """
+    part = particle_set(part, "domain", global_view="domain.smap")
     n, _ = check_positions(part, "domain")
     valid = jnp.arange(n, dtype=jnp.int32) < jnp.asarray(part.num, jnp.int32)
     return domain_of(part, key_box(jnp.asarray(part.pos), valid, box), num_cells)

@@ -27,12 +27,25 @@ from .._compile import particle_compiler_options
 from .._eager import is_concrete, run_compiled
 from .._errors import CapacityError
 from .._morton import Box, check_box
-from .._pytree import check_global, check_positions
+from .._pytree import check_global, check_positions, particle_set, row_count, spare_rows
 from .._tuning import tuning_backend
-from ..core import ALL, attach_global, smap
+from ..core import ALL, attach_global, rank_info, smap
 from ._domain import Domain, domain_of
+from ._particles import Particles
 
 T = TypeVar("T")
+
+
+@overload
+def zsort(part: jax.Array | np.ndarray, *, box: Box | None = None, equalize: bool = True,
+          capacity: int | None = None, return_domain: Literal[False] = False,
+          num_cells: int = 64) -> tuple[Particles, jax.Array]: ...
+
+
+@overload
+def zsort(part: jax.Array | np.ndarray, *, box: Box | None = None, equalize: bool = True,
+          capacity: int | None = None, return_domain: Literal[True],
+          num_cells: int = 64) -> tuple[Particles, jax.Array, Domain]: ...
 
 
 @overload
@@ -45,8 +58,8 @@ def zsort(part: T, *, box: Box | None = None, equalize: bool = True, capacity: i
           return_domain: Literal[True], num_cells: int = 64) -> tuple[T, jax.Array, Domain]: ...
 
 
-def zsort(part: T, *, box: Box | None = None, equalize: bool = True, capacity: int | None = None,
-          return_domain: bool = False, num_cells: int = 64) -> tuple[T, jax.Array] | tuple[T, jax.Array, Domain]:
+def zsort(part: Any, *, box: Box | None = None, equalize: bool = True, capacity: int | None = None,
+          return_domain: bool = False, num_cells: int = 64) -> tuple[Any, jax.Array] | tuple[Any, jax.Array, Domain]:
     """Sort particles into global Morton (z-) order across all devices (local view; ``zsort.smap`` for global).
 
     After the call device ``r`` holds a contiguous piece of the global order: keys ascend within each device and
@@ -54,13 +67,15 @@ def zsort(part: T, *, box: Box | None = None, equalize: bool = True, capacity: i
     per-particle field travels with its particle.
 
     Args:
-        part: a particle pytree (``.pos (n, d)``, ``.num``), e.g. :class:`Particles`.
+        part: a particle pytree (``.pos (n, d)``, ``.num``), e.g. :class:`Particles`, or a plain `(n, d)` array of
+            positions (every row a particle; the result is then a :class:`Particles` without fields).
         box: periodic box size (scalar or `(d,)`): positions are wrapped into ``[0, box)`` (the returned ``pos``
             is wrapped) and keyed over that box. ``None``: keys over the global bounding box of the particles.
         equalize: rebalance so that device ``r`` holds ``num_total // ndev`` particles, plus one for the first
             ``num_total % ndev`` devices. Without it the counts follow the sample-sort splitters (within a few
             percent of even).
-        capacity: rows per device of the result (static); default the input capacity ``n``.
+        capacity: rows per device of the result (static); default the input capacity ``n`` (for a plain array
+            on several devices ``n + n // 8 + 64``: it has no rows to spare for the sort's uneven pieces).
         return_domain: also return the :class:`Domain` of the result (key ranges and bounding boxes).
         num_cells: top-level cells per device in the domain (static).
 
@@ -78,7 +93,11 @@ def zsort(part: T, *, box: Box | None = None, equalize: bool = True, capacity: i
         (1000, False)
         >>> zpart, overflow = zsort.smap()(sx.particles.uniform.smap()(1000))   # global: (ndev, cap, 3)
     """
+    plain = not hasattr(part, "pos")
+    part = particle_set(part, "zsort", global_view="zsort.smap")
     check_part(part, box, "zsort")
+    if plain and capacity is None and rank_info().size > 1:
+        capacity = row_count(part) + spare_rows(row_count(part))
     options = (box, equalize, capacity, num_cells if return_domain else None)
     # Called outside any trace on arrays: one program, not one dispatch per operation.
     if isinstance(getattr(part, "pos", None), jax.Array | np.ndarray) and is_concrete(part):
@@ -123,10 +142,12 @@ def _constructed(mesh: Mesh | None, jit: bool, donate: bool) -> Callable[..., An
 
     def call(part: Any, *, box: Box | None = None, equalize: bool = True, capacity: int | None = None,
              return_domain: bool = False, num_cells: int = 64) -> Any:
-        check_global(part, "zsort.smap", "zsort")
-        dtype = jnp.result_type(part.pos)
+        pos = check_global(part, "zsort.smap", "zsort")
+        if pos is part and capacity is None and int(jnp.shape(pos)[0]) > 1:  # a plain array: room, as zsort's
+            capacity = int(jnp.shape(pos)[1]) + spare_rows(int(jnp.shape(pos)[1]))
+        dtype = jnp.result_type(pos)
         if box is not None and not isinstance(box, Tracer) and dtype in (jnp.float32, jnp.float64):
-            check_box(box, int(jnp.shape(part.pos)[-1]), dtype, optional=False)  # clear errors before anything is traced
+            check_box(box, int(jnp.shape(pos)[-1]), dtype, optional=False)  # clear errors before anything is traced
         static_box = box is None or isinstance(box, int | float | tuple)
         leaves, treedef = jax.tree.flatten(part)
         # The tuning preset is read while tracing (the domain's cell statistics): one program per preset.
@@ -135,7 +156,7 @@ def _constructed(mesh: Mesh | None, jit: bool, donate: bool) -> Callable[..., An
         fn = cache.get(key)
         if fn is None:
             def body(leaves: list[jax.Array], box_arg: Any) -> tuple:
-                local = jax.tree.unflatten(treedef, leaves)
+                local = particle_set(jax.tree.unflatten(treedef, leaves), "zsort.smap", global_view="zsort.smap")
                 result = _zorder.sort_particles(local, box=box if static_box else box_arg, equalize=equalize,
                                                 capacity=capacity)
                 # Every device knows the largest need: no collective for the flags.
@@ -152,7 +173,7 @@ def _constructed(mesh: Mesh | None, jit: bool, donate: bool) -> Callable[..., An
             cache[key] = fn
         out_part, overflow, checks, dom = fn(leaves, None if static_box else box)
         if not _flags.is_traced(checks):
-            spans = bounds_layout(part.pos) if checks.shape[0] > 3 else ()
+            spans = bounds_layout(pos) if checks.shape[0] > 3 else ()
             words = _flags.unpack(checks, 1, 1, 1, *spans)  # one transfer
             any_overflow, needed, nonfinite = (int(w[0]) for w in words[:3])
             span = words[3:]
@@ -162,7 +183,7 @@ def _constructed(mesh: Mesh | None, jit: bool, donate: bool) -> Callable[..., An
                 raise ValueError(f"zsort: {int(nonfinite)} particle(s) have a NaN or infinite coordinate in part.pos; "
                                  "remove them or replace the positions before sorting")
             if int(any_overflow):
-                available = capacity if capacity is not None else int(jnp.shape(part.pos)[1])  # type: ignore
+                available = capacity if capacity is not None else int(jnp.shape(pos)[1])
                 raise CapacityError(
                     f"zsort: a device needed {int(needed)} rows but capacity is {available}; pass capacity="
                     f"{int(needed) + int(needed) // 8 + 1} (or a larger capacity_factor to from_numpy)",

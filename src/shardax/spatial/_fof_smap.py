@@ -21,7 +21,7 @@ from .._bounds import bounds_layout, check_bounds, mapped_bounds
 from .._compile import particle_compiler_options
 from .._errors import CapacityError
 from .._morton import check_box
-from .._pytree import check_count, pad_global, particle_set
+from .._pytree import check_global, pad_global, particle_set
 from ..comm import allgather
 from ..core import ALL, attach_global, smap
 from ..particles import Particles
@@ -50,15 +50,8 @@ class _Static(NamedTuple):
 
 def _global_shape(part: Any) -> tuple[int, int]:
     """``(ndev, n)`` of a global particle pytree or a plain ``(ndev, n, d)`` position array."""
-    plain = isinstance(part, jax.Array | np.ndarray)
-    pos = part if plain else getattr(part, "pos", None)
-    if pos is None or not (plain or hasattr(part, "num")) or jnp.ndim(pos) != 3:
-        raise ValueError("fof.smap: part must be a global particle pytree with pos of shape (ndev, n, d) "
-                         "(e.g. from shardax.particles.from_numpy) or an (ndev, n, d) array of positions; call fof() "
-                         "for the local view")
+    pos = check_global(part, "fof.smap", "fof")
     ndev, n = (int(k) for k in jnp.shape(pos)[:2])
-    if not plain:
-        check_count(part.num, n, "fof.smap")
     return ndev, n
 
 

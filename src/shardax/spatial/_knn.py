@@ -18,7 +18,7 @@ from .._compile import particle_compiler_options
 from .._eager import is_concrete, run_compiled
 from .._errors import CapacityError
 from .._morton import as_vector, check_box
-from .._pytree import check_count, check_global, particle_set
+from .._pytree import check_count, check_global, particle_set, spare_rows
 from ..comm import allgather, allreduce, scan
 from ..core import ALL, attach_global, rank_info, smap
 from ..particles import Particles
@@ -286,8 +286,17 @@ def _search(part: Any, query: Any, box: Box, reduce: Reduce | None, options: _Se
         ids = offset + jnp.arange(n, dtype=jnp.int32)
     ids = jnp.where(valid, jnp.asarray(ids, jnp.int32), jnp.iinfo(jnp.int32).max)
     if (size > 1 or zorder) and query is None:
+        if size > 1 and not hasattr(part, "pos"):
+            # A plain array has no rows to spare for the z-order sort's uneven pieces: add some, answer for n.
+            room = spare_rows(n)
+            pos = jnp.concatenate([pos, jnp.zeros((room, dim), pos.dtype)])
+            valid = jnp.concatenate([valid, jnp.zeros((room,), bool)])
+            ids = jnp.concatenate([ids, jnp.full((room,), jnp.iinfo(jnp.int32).max, jnp.int32)])
+            part = pos
         out = distributed_knn(part, pos, valid, ids, k, _static_box(box), boxv, reduce, ghost_capacity,
                               home=not zorder, tuning=tuning)
+        if out.distances.shape[0] > n:
+            out = out._replace(distances=out.distances[:n], indices=jax.tree.map(lambda x: x[:n], out.indices))
         return KnnResult(out.distances, out.indices), out.flags, out.zpart
     if size > 1:
         # Separate query points on a mesh: every device searches all particles (exact, not scalable).
@@ -314,7 +323,7 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
     """``knn.smap(mesh=None, jit=True)``: :func:`knn` on global ``(ndev, n, ...)`` particle arrays.
 
     The returned function takes the arguments of :func:`knn`; ``part`` and ``query`` are global pytrees (e.g. from
-    :func:`shardax.particles.from_numpy`), the results have shape ``(ndev, m, k)`` aligned with the query rows.
+    :func:`shardax.particles.from_numpy`) or plain ``(ndev, n, d)`` position arrays (every row a point), the results have shape ``(ndev, m, k)`` aligned with the query rows.
     Called outside an outer ``jax.jit`` it raises ``ValueError`` for NaN positions or ``k`` larger than the total
     number of particles, and :class:`shardax.CapacityError` when a buffer was too small: ``err.argument ==
     "ghost_capacity"`` and ``err.needed`` the rows to pass, or ``err.argument is None`` when the z-order sort needed
@@ -327,16 +336,18 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
     def call(part: Any, k: int, *, box: Box = None, query: Any = None, reduce: Reduce | None = None,
              ghost_capacity: int | None = None, zorder: bool = False,
              tuning: KnnTuning | TuningName | None = None) -> KnnResult | tuple[KnnResult, Any]:
-        check_global(part, "knn.smap", "knn")
-        rows = int(np.prod(jnp.shape(part.pos)[:2]))
-        num = part.num
-        if isinstance(num, Tracer) or (isinstance(num, jax.Array) and not num.is_fully_addressable):
+        pos = check_global(part, "knn.smap", "knn")
+        if query is not None:
+            check_global(query, "knn.smap", "knn", name="query")
+        rows = int(np.prod(jnp.shape(pos)[:2]))
+        num = None if pos is part else part.num
+        if num is None or isinstance(num, Tracer) or (isinstance(num, jax.Array) and not num.is_fully_addressable):
             count = rows  # only the rows are known here
         else:
             count = int(np.sum(np.asarray(num)))  # (check_count: every count lies in [0, rows per device])
         _check_k(k, rows, count)  # before compiling a search for an impossible k
-        if box is not None and jnp.issubdtype(jnp.result_type(part.pos), jnp.floating):
-            _check_box(box, int(jnp.shape(part.pos)[-1]), jnp.result_type(part.pos))
+        if box is not None and jnp.issubdtype(jnp.result_type(pos), jnp.floating):
+            _check_box(box, int(jnp.shape(pos)[-1]), jnp.result_type(pos))
         static_box = _static_box(box)
         # Pytrees travel as flat leaf lists: smap's spec broadcasting would give an absent (None) field a spec.
         part_leaves, part_def = jax.tree.flatten(part)
@@ -346,7 +357,7 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
         fn = cache.get(key)
         if fn is None:
             def body(part_leaves: list[jax.Array], query_leaves: list[jax.Array]) -> tuple:
-                part = jax.tree.unflatten(part_def, part_leaves)
+                part = jax.tree.unflatten(part_def, part_leaves)  # (a plain array stays one: see _search)
                 query = jax.tree.unflatten(query_def, query_leaves)
                 # Data checks inside the mapped function: the host cannot read other processes' rows.
                 pos, valid = _positions(part, "part")
@@ -363,7 +374,7 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
                 result, flags, zpart = _knn(part, k, box=static_box, query=query, reduce=reduce,
                                             ghost_capacity=ghost_capacity, zorder=zorder, tuning=resolved)
                 checks = tuple(allreduce(jnp.asarray(f, jnp.int32), "max") for f in flags)
-                span = mapped_bounds(pos, part.num) if static_box is not None else ()  # checked after the call
+                span = mapped_bounds(pos, jnp.sum(valid, dtype=jnp.int32)) if static_box is not None else ()
                 return result, zpart, _flags.pack(*checks, total, nonfinite, extent, *span)
 
             fn = smap(body, in_specs=(ALL, ALL), out_specs=(ALL, ALL, P()), mesh=mesh, jit=jit, name="knn.smap",
@@ -371,8 +382,8 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
             cache[key] = fn
         result, zpart, checks = fn(part_leaves, query_leaves)
         if not _flags.is_traced(checks):
-            spans = bounds_layout(part.pos) if static_box is not None else ()
-            words = _flags.unpack(checks, 1, 1, 1, 1, 1, 1, (1, jnp.result_type(part.pos)), *spans)
+            spans = bounds_layout(pos) if static_box is not None else ()
+            words = _flags.unpack(checks, 1, 1, 1, 1, 1, 1, (1, jnp.result_type(pos)), *spans)
             ghost_overflow, ghost_needed, sort_overflow, sort_needed, total, nonfinite = (int(w[0]) for w in words[:6])
             extent, span = words[6][0], words[7:]  # one transfer
             if span:
@@ -380,10 +391,10 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
             if int(nonfinite):
                 raise ValueError(f"knn: part has {int(nonfinite)} row(s) with NaN or infinite coordinates; remove or "
                                  "fix them")
-            _check_extent(extent, jnp.result_type(part.pos), int(jnp.shape(part.pos)[-1]), "part")
+            _check_extent(extent, jnp.result_type(pos), int(jnp.shape(pos)[-1]), "part")
             if k > int(total):
                 raise ValueError(f"knn: k={k} is larger than the number of particles ({int(total)}); lower k")
-            ndev, rows_per_device = (int(x) for x in jnp.shape(part.pos)[:2])
+            ndev, rows_per_device = (int(x) for x in jnp.shape(pos)[:2])
             if int(sort_overflow):
                 raise CapacityError(f"knn: the z-order sort needed {int(sort_needed)} rows on a device but part has "
                                     f"{rows_per_device} rows per device; build the particles with more room "

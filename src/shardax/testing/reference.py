@@ -113,21 +113,29 @@ def brute_knn(pos: Any, k: int, *, queries: Any = None, box: Box | None = None) 
         candidates = np.argpartition(dist2, take - 1, axis=1)[:, :take]
         cand_d = np.take_along_axis(dist2, candidates, axis=1)
         order = np.lexsort((candidates, cand_d), axis=1)[:, :k]
-        out_i[start:start + len(rows)] = np.take_along_axis(candidates, order, axis=1)
-        out_d[start:start + len(rows)] = np.sqrt(np.take_along_axis(cand_d, order, axis=1))
+        picked = np.take_along_axis(candidates, order, axis=1)
+        # Rows with more rows tied at the k-th distance than the margin holds: the whole row, in (distance, index).
+        kth = np.take_along_axis(cand_d, order[:, -1:], axis=1)
+        crowded = np.flatnonzero(np.sum(dist2 <= kth, axis=1) > take)
+        if crowded.size:
+            everything = np.broadcast_to(np.arange(n), (crowded.size, n))
+            picked[crowded] = np.lexsort((everything, dist2[crowded]), axis=1)[:, :k]
+        out_i[start:start + len(rows)] = picked
+        out_d[start:start + len(rows)] = np.sqrt(np.take_along_axis(dist2, picked, axis=1))
     return out_d, out_i
 
 
-def morton_keys(pos: Any, *, box: float = 1.0, wrap: bool = True) -> np.ndarray:
+def morton_keys(pos: Any, *, box: float | None = 1.0, wrap: bool = True) -> np.ndarray:
     """Morton (z-order) keys of 2D or 3D positions, as :mod:`shardax.particles` defines them.
 
     Each coordinate is quantised over ``[0, box)`` to ``B`` bits (``B = 21`` in 3D, ``31`` in 2D), cell
     ``min(floor(x * (2**B / box)), 2**B - 1)`` computed in the positions' dtype, and bit ``i`` of axis ``k`` goes to
-    bit ``D * i + k`` of the key.
+    bit ``D * i + k`` of the key. Without a box, as ``zsort(box=None)``: over the bounding box of ``pos``, cell
+    ``floor((x - lo) * (2**B / (hi - lo)))`` per axis (an axis where all rows agree has extent 1).
 
     Args:
         pos: `(n, 2)` or `(n, 3)` positions.
-        box: the periodic box edge.
+        box: the periodic box edge, or None for the bounding box of ``pos``.
         wrap: map positions into ``[0, box)`` first; False: they are already there (saves two passes over
             ``pos``; positions outside are clamped to the edge cells).
 
@@ -144,11 +152,18 @@ def morton_keys(pos: Any, *, box: float = 1.0, wrap: bool = True) -> np.ndarray:
     if dim not in _KEY_BITS:
         raise ValueError(f"morton_keys takes 2D or 3D positions, got shape {pos.shape}")
     bits = _KEY_BITS[dim]
-    extent = pos.dtype.type(box)
-    if wrap:
-        pos = np.mod(pos, extent)
-        pos = np.where(pos >= extent, pos - extent, pos)  # float rounding can land a tiny negative on the edge
-    cells = np.clip(np.floor(pos * (pos.dtype.type(2**bits) / extent)), 0, 2**bits - 1).astype(np.uint64)
+    if box is None:
+        lo, hi = pos.min(axis=0), pos.max(axis=0)
+        extent = np.where(hi > lo, hi - lo, 1).astype(pos.dtype)
+        pos = pos - lo
+    else:
+        extent = pos.dtype.type(box)
+        if wrap:
+            pos = np.mod(pos, extent)
+            pos = np.where(pos >= extent, pos - extent, pos)  # float rounding can land a tiny negative on the edge
+    # (2**31 - 1 has no float32: clamp the top cell in integers)
+    cells = np.clip(np.floor(pos * (pos.dtype.type(2**bits) / extent)), 0, 2**bits).astype(np.uint64)
+    cells = np.minimum(cells, np.uint64(2**bits - 1))
     key = np.zeros(len(pos), np.uint64)
     for axis in range(dim):
         x = cells[:, axis]
