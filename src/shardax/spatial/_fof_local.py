@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .._nonzero import true_positions
@@ -265,54 +266,51 @@ def _forward_rows(dim: int) -> list[tuple[int, ...]]:
 
 
 def _runs(coords: jax.Array, idx: jax.Array, num: jax.Array, starts: jax.Array, grid: Grid,
-          space: LinkSpace) -> list[tuple[jax.Array, jax.Array]]:
-    """Start and length `(k,)` of each of the ``R`` runs of forward candidates of the sorted points ``idx (k,)``
-    (cell coordinates ``coords (k, d)``).
+          space: LinkSpace, rows: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array]:
+    """Start and length `(k, R)` of the ``R`` runs of forward candidates of the sorted points ``idx (k,)`` (cell
+    coordinates ``coords (k, d)``), in the rows of :func:`_forward_rows` numbered ``rows`` (default: all).
 
     Own row: the points after this one in its own cell and the next cell (and, periodic, cell 0 after the last
     cell). Forward rows (half of the neighbouring rows): cells ``x - 1 .. x + 1`` of the row (periodic: the cell
     on the other side of the box as a second run). Every pair closer than a cell width is in exactly one point's
     runs, except on axes of two cells, where the two neighbours coincide (a pair found twice does not matter).
     Wrapping is per axis (``space.wrap``, traced): a space that may wrap (``space.box``) has the same runs whatever
-    mix of open and periodic axes it has, so one compiled search serves them all.
+    mix of open and periodic axes it has, so one compiled search serves them all. All rows are computed at once
+    (`(k, rows)` arrays: a few wide operations, not a few per row, which keeps the program small).
     """
     periodic = space.box is not None
-    dim = coords.shape[1]
-    cx = coords[:, 0]
+    every = _forward_rows(coords.shape[1])  # the own row first
+    chosen = range(len(every)) if rows is None else rows
+    offsets = np.array([every[r] for r in chosen], np.int32).reshape(len(chosen), -1)  # (rows, d - 1)
+    own = np.array([r == 0 for r in chosen])[None]  # (1, rows)
+    cx = coords[:, :1]
     gx = grid.cells[0]
-    live = idx < num
+    live = (idx < num)[:, None]
     wrap_ok = space.wrap[0] & (gx >= 3)
-    runs = []
-
-    def add(lo: jax.Array, hi: jax.Array, ok: jax.Array) -> None:
-        runs.append((lo, jnp.where(ok & live, jnp.maximum(hi - lo, 0), 0)))
-
-    for r, offset in enumerate(_forward_rows(dim)):
-        base = jnp.zeros_like(cx)
-        ok = jnp.ones_like(cx, dtype=bool)
-        for axis, off in enumerate(offset, start=1):
-            g = grid.cells[axis]
-            c = coords[:, axis] + off
-            inside = (c >= 0) & (c < g)
-            if periodic:
-                # On an axis of one cell every offset is the row itself, which offset 0 already covers.
-                wraps = space.wrap[axis]
-                ok = ok & jnp.where(wraps, (g >= 2) | (off == 0), inside)
-                c = jnp.where(wraps, jnp.mod(c, g), c)
-            else:
-                ok = ok & inside
-            base = base + c * grid.stride[axis]
-        hi = starts[base + jnp.minimum(cx + 1, gx - 1) + 1]
-        if r == 0:
-            add(idx + 1, hi, ok)
-            wrap = base
-            add(starts[wrap], starts[wrap + 1], ok & wrap_ok & (cx == gx - 1))
-        else:
-            add(starts[base + jnp.maximum(cx - 1, 0)], hi, ok)
-            if periodic:
-                wrap = base + jnp.where(cx == 0, gx - 1, 0)
-                add(starts[wrap], starts[wrap + 1], ok & wrap_ok & ((cx == 0) | (cx == gx - 1)))
-    return runs
+    cells = grid.cells[None, None, 1:]
+    c = coords[:, None, 1:] + offsets[None]  # (k, rows, d - 1)
+    if periodic:
+        # On an axis of one cell every offset is the row itself, which offset 0 already covers.
+        wraps = space.wrap[None, None, 1:]
+        fine = jnp.where(wraps, (cells >= 2) | (offsets == 0)[None], (c >= 0) & (c < cells))
+        ok = jnp.all(fine, axis=-1)
+        c = jnp.where(wraps, jnp.mod(c, cells), c)
+    else:
+        ok = jnp.all((c >= 0) & (c < cells), axis=-1)
+    base = jnp.sum(c * grid.stride[None, None, 1:], axis=-1)  # (k, rows)
+    hi = starts[base + jnp.minimum(cx + 1, gx - 1) + 1]
+    lo = jnp.where(own, idx[:, None] + 1, starts[base + jnp.maximum(cx - 1, 0)])
+    main = (lo, jnp.where(ok & live, jnp.maximum(hi - lo, 0), 0))
+    # The cell across the box: after the last cell of the own row; before the first or after the last of the others.
+    across = jnp.where(own, cx == gx - 1, (cx == 0) | (cx == gx - 1))
+    wrap_cell = base + jnp.where(own | (cx != 0), 0, gx - 1)
+    wrap_lo = starts[wrap_cell]
+    wrap_len = jnp.where(ok & live & wrap_ok & across, jnp.maximum(starts[wrap_cell + 1] - wrap_lo, 0), 0)
+    if not periodic:  # (no axis wraps: the own row's run across the box is always empty)
+        return main
+    # Each row's run, then its run across the box (the order of the edges found).
+    return (jnp.stack([main[0], wrap_lo], axis=2).reshape(len(idx), -1),
+            jnp.stack([main[1], wrap_len], axis=2).reshape(len(idx), -1))
 
 
 class _Search(NamedTuple):
@@ -355,20 +353,17 @@ def find_links(points: SortedPoints, num: jax.Array, linking_length: jax.Array, 
     slots, _ = step_sizes(tuning, n)
     ll2 = (linking_length * linking_length).astype(points.pos.dtype)
     idx = jnp.arange(n, dtype=jnp.int32)
-    runs = _runs(points.coords, idx, num, points.starts, grid, space)
-    total = sum(length for _, length in runs)
-    assert isinstance(total, jax.Array)
+    run_start, run_len = _runs(points.coords, idx, num, points.starts, grid, space)
+    total = jnp.sum(run_len, axis=1)
     point_end = jnp.cumsum(total)  # (n,) inclusive
     point_begin = point_end - total
     # Candidate numbers are int32: with 2**31 candidates or more (a clump of ~65000 points within a few cells),
     # search nothing and report an edge count no capacity can hold.
     too_many = jnp.sum(total.astype(jnp.float32)) >= 2.0**31 * 0.999
     num_slots = jnp.where(too_many, 0, point_end[-1])
-    num_runs = len(runs)
+    num_runs = run_len.shape[1]
     if tuning.run_table:
         # j = shift[point, run] + candidate number within the point
-        run_start = jnp.stack([start for start, _ in runs], axis=1)
-        run_len = jnp.stack([length for _, length in runs], axis=1)
         run_end = jnp.cumsum(run_len, axis=1)
         lookup = jnp.concatenate([run_end, run_start - (run_end - run_len)], axis=1)
     window = jnp.arange(slots, dtype=jnp.int32)
@@ -380,12 +375,14 @@ def find_links(points: SortedPoints, num: jax.Array, linking_length: jax.Array, 
             row = lookup[qi]
             which = jnp.minimum(jnp.sum(k[:, None] >= row[:, :num_runs], axis=1, dtype=jnp.int32), num_runs - 1)
             return jnp.take_along_axis(row[:, num_runs:], which[:, None], axis=1)[:, 0] + k
-        # The runs of the step's points, one at a time (elementwise: one fused pass, no (slots, R) buffers).
+        # The runs of the step's points, a row of cells at a time (elementwise, no (slots, R) buffers).
         before = jnp.zeros_like(k)
         found = jnp.zeros_like(k)
-        for start, length in _runs(points.coords[qi], qi, num, points.starts, grid, space):
-            found = jnp.where((k >= before) & (k < before + length), start + (k - before), found)
-            before = before + length
+        for r in range(len(_forward_rows(points.coords.shape[1]))):
+            starts, lengths = _runs(points.coords[qi], qi, num, points.starts, grid, space, rows=(r,))
+            for start, length in zip(starts.T, lengths.T, strict=True):
+                found = jnp.where((k >= before) & (k < before + length), start + (k - before), found)
+                before = before + length
         return found
 
     def cond(state: _Search) -> jax.Array:
