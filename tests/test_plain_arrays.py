@@ -2,8 +2,9 @@
 
 Local views take an `(n, d)` array, global functions an `(ndev, n, d)` one; every row is a particle (unit mass).
 Results are compared with the NumPy references of :mod:`shardax.testing.reference` on one device, on 8 CPU devices
-in one process and on 2 processes x 4 devices. This module must not import conftest: the children of the
-multi-process test import it by path and must keep the device count of the launcher.
+in one process and on 2 processes x 4 devices (in tests/test_zsort.py's launch, which calls :func:`global_checks`).
+This module must not import conftest: the children of that launch import it and must keep the launcher's device
+count.
 """
 
 from __future__ import annotations
@@ -95,14 +96,3 @@ def test_plain_array_errors() -> None:
         sx.fields.paint(jnp.zeros((1, 4, 2)), SHAPE, box=1.0, mesh=mesh)
     with pytest.raises(ValueError, match=r"local_paint: part as a plain array must have shape \(n, 3\)"):
         sx.fields.local_paint(jnp.zeros((4, 2)), SHAPE, box=1.0)
-
-
-@pytest.mark.multiprocess
-def test_plain_arrays_two_processes() -> None:
-    results = sx.testing.run_distributed(_multiprocess_body, num_processes=2, cpu_devices=4)
-    for out in results:
-        check_global(out, 8)
-
-
-def _multiprocess_body() -> dict[str, np.ndarray]:
-    return global_checks(sx.flat_mesh("d"))

@@ -1,6 +1,6 @@
 """zsort against a NumPy reference sort of the gathered data, at 1 device, on every mesh, and on 2 processes x 4.
 
-The reference: Morton keys computed bit by bit in NumPy (uint64) over the same box, then a stable ``np.lexsort`` of
+The reference: ``shardax.testing.reference.morton_keys`` (uint64, NumPy) over the same box, then a stable sort of
 the particles in global input order (device, then row). The distributed result must be the same sequence, field by
 field, with counts equal to ``N // ndev`` (+1 for the first ``N % ndev`` devices) when equalised. This module does not
 import conftest: the multi-process children import it by path and must keep the launcher's device count.
@@ -467,12 +467,18 @@ def multiprocess_body() -> dict:
     part = sx.particles.from_numpy(mine, mesh=mesh)
     out, _ = zsort.smap(mesh)(part, box=1.0)
     check_sorted({"pos": everything, "ids": np.arange(300, dtype=np.int32)}, squeeze(out), 1.0)
-    return {"done": done, "num": to_host(out.num)}
+    # The global kernels on a plain position array share this launch (tests/test_plain_arrays.py).
+    from test_plain_arrays import global_checks
+
+    return {"done": done, "num": to_host(out.num), "plain": global_checks(mesh)}
 
 
 @pytest.mark.multiprocess
 def test_zsort_two_processes() -> None:
+    from test_plain_arrays import check_global
+
     results = sx.testing.run_distributed(multiprocess_body, num_processes=2, cpu_devices=4)
     for res in results:
         assert len(res["done"]) == 20
         np.testing.assert_array_equal(res["num"], equal_counts(300, 8))
+        check_global(res["plain"], 8)
