@@ -63,7 +63,17 @@ def check_global(out: dict[str, np.ndarray], ndev: int) -> None:
 @pytest.mark.parametrize("ndev", [1, 8])
 def test_global_functions_take_plain_arrays(ndev: int) -> None:
     mesh = jax.make_mesh((ndev,), ("d",), devices=jax.devices()[:ndev])
-    check_global(global_checks(mesh), ndev)
+    out = global_checks(mesh)
+    assert out["indices"].shape == (ndev, ROWS, 4) and out["values"].shape == (ndev, ROWS)  # aligned with the rows
+    check_global(out, ndev)
+    # zorder=True: the answers are aligned with the z-sorted rows, spare rows included, each row naming its point.
+    data = _data(ndev)
+    res, zpart = knn.smap(mesh)(put(mesh, data.reshape(ndev, ROWS, 3)), 4, box=1.0, zorder=True)
+    num, ids, indices = np.asarray(zpart.num), np.asarray(zpart.ids), np.asarray(res.indices)
+    assert num.sum() == len(data) and indices.shape[:2] == ids.shape
+    _, want = reference.brute_knn(data, 4, box=1.0)
+    for d in range(ndev):
+        np.testing.assert_array_equal(indices[d, :num[d]], want[ids[d, :num[d]]])
 
 
 def test_local_views_take_plain_arrays() -> None:

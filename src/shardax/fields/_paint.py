@@ -152,10 +152,15 @@ def _weights(frac: jax.Array, corner: tuple[int, ...]) -> jax.Array:
     return w
 
 
+# What takes a global (ndev, n, 3) array instead of each local view (named in its errors).
+_GLOBAL_VIEWS = {"local_paint": "sx.fields.paint", "local_readout": "sx.fields.readout",
+                 "local_paint_readout": "an sx.smap of local_paint_readout"}
+
+
 def _local_set(part: Any, where: str) -> Any:
     """``part`` as a particle pytree (a plain `(n, 3)` position array: every row a particle of unit mass), checked:
     3D positions, finite valid rows."""
-    part = particle_set(part, where, dims=(3,), global_view=where.removeprefix("local_"))
+    part = particle_set(part, where, dims=(3,), global_view=_GLOBAL_VIEWS[where])
     check_positions(part, where)
     if jnp.shape(part.pos)[1] != 3:
         raise ValueError(f"{where}: part.pos must have 3 columns (3D positions), got {jnp.shape(part.pos)}")

@@ -14,7 +14,7 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 
-from ._env import RUN_VARS, cpu_device_vars, launcher_vars
+from ._env import ENV_CPU_DEVICES, ENV_JAX_CPU_DEVICES, RUN_VARS, cpu_device_vars, launcher_vars
 from ._malloc import MALLOC_ENV, malloc_env
 from ._procs import JobResult, ProcessSpec, Sink, run_processes
 
@@ -184,7 +184,7 @@ def mpirun_spec(argv: Sequence[str], *, num_processes: int, cpu_devices: int | N
     _check_count("num_processes", num_processes)
     env = process_env(env, cpu_devices=cpu_devices)
     command = [mpirun, "--allow-run-as-root", "--oversubscribe", "--tag-output", "-n", str(num_processes)]
-    exported = (*cpu_device_vars(1), "PYTHONPATH", "PYTHONUNBUFFERED", *MALLOC_ENV)
+    exported = (ENV_JAX_CPU_DEVICES, ENV_CPU_DEVICES, "PYTHONPATH", "PYTHONUNBUFFERED", *MALLOC_ENV)
     for var in exported:
         if var in env:
             command += ["-x", var]

@@ -295,7 +295,7 @@ def _search(part: Any, query: Any, box: Box, reduce: Reduce | None, options: _Se
             part = pos
         out = distributed_knn(part, pos, valid, ids, k, _static_box(box), boxv, reduce, ghost_capacity,
                               home=not zorder, tuning=tuning)
-        if out.distances.shape[0] > n:
+        if not zorder and out.distances.shape[0] > n:  # (with zorder the rows are zpart's, spare rows too)
             out = out._replace(distances=out.distances[:n], indices=jax.tree.map(lambda x: x[:n], out.indices))
         return KnnResult(out.distances, out.indices), out.flags, out.zpart
     if size > 1:
@@ -323,7 +323,8 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
     """``knn.smap(mesh=None, jit=True)``: :func:`knn` on global ``(ndev, n, ...)`` particle arrays.
 
     The returned function takes the arguments of :func:`knn`; ``part`` and ``query`` are global pytrees (e.g. from
-    :func:`shardax.particles.from_numpy`) or plain ``(ndev, n, d)`` position arrays (every row a point), the results have shape ``(ndev, m, k)`` aligned with the query rows.
+    :func:`shardax.particles.from_numpy`) or plain ``(ndev, n, d)`` position arrays (every row a point), the
+    results have shape ``(ndev, m, k)`` aligned with the query rows.
     Called outside an outer ``jax.jit`` it raises ``ValueError`` for NaN positions or ``k`` larger than the total
     number of particles, and :class:`shardax.CapacityError` when a buffer was too small: ``err.argument ==
     "ghost_capacity"`` and ``err.needed`` the rows to pass, or ``err.argument is None`` when the z-order sort needed
