@@ -21,7 +21,7 @@ from .._errors import CapacityError
 from .._exchange import default_chunk
 from .._pytree import check_count, check_global, check_positions, particle_set, row_count
 from .._tuning import tuning_backend
-from ..core import ALL, default_mesh, rank_info, smap, vary_like
+from ..core import ALL, default_mesh, rank_info, smap
 from ..particles import Particles
 from ._grid import Grid, _box3, _shape3, cell_index, default_spec, field_sharding
 
@@ -378,8 +378,9 @@ def _rows(part: Any) -> dict[str, jax.Array]:
 def _local_part(rows: dict[str, jax.Array]) -> Particles:
     """One device's particles from its ``(1, ...)`` slices of the global arrays."""
     local = {name: a.reshape(a.shape[1:]) for name, a in rows.items()}
-    num = local["num"] if "num" in local else vary_like(jnp.int32(local["pos"].shape[0]), local["pos"])  # every row
-    return Particles(pos=local["pos"], num=num, mass=local.get("mass"))
+    if "num" not in local:  # a plain position array: every row a particle of unit mass
+        return particle_set(local["pos"], "paint", dims=(3,))
+    return Particles(pos=local["pos"], num=local["num"], mass=local.get("mass"))
 
 
 def _raise_nonfinite(name: str, count: int) -> None:
