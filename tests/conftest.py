@@ -60,6 +60,35 @@ def compilations() -> Iterator[list[str]]:
         jax.monitoring.unregister_event_duration_listener(listen)
 
 
+@contextlib.contextmanager
+def collectives_ordered() -> Iterator[list[str]]:
+    """While inside, the optimized program of everything XLA compiles in this process is collected; on exit every
+    program over more than one device must order each pair of its collectives by data (shardax._order: a program
+    read back from a compilation cache could otherwise run them in different orders on different devices and
+    hang). Yields the list of programs checked."""
+    from jax._src import compiler
+
+    from shardax._order import unordered_collectives
+
+    texts: list[str] = []
+    original = compiler.compile_or_get_cached
+
+    def spy(backend: object, computation: object, devices: object, *args: object, **kwargs: object) -> object:
+        executable = original(backend, computation, devices, *args, **kwargs)
+        if np.size(devices) > 1:  # (one device: nothing to wait for)
+            texts.append(executable.hlo_modules()[0].to_string())  # type: ignore[attr-defined]
+        return executable
+
+    compiler.compile_or_get_cached = spy
+    try:
+        yield texts
+    finally:
+        compiler.compile_or_get_cached = original
+    for text in texts:
+        pairs = list(unordered_collectives(text))
+        assert not pairs, f"{text.splitlines()[0][:60]}: collectives not ordered by data: {pairs[:5]}"
+
+
 def make_mesh(shape: tuple[int, ...]) -> Mesh:
     """A mesh over the first prod(shape) local CPU devices, axes named x, y (Auto axis types)."""
     n = int(np.prod(shape))

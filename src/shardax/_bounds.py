@@ -26,7 +26,7 @@ from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .comm import allreduce
+from . import _flags
 from .core import ALL, default_mesh, smap
 
 BOX_TOLERANCE = 0.25  # box lengths a position may lie outside [0, box) and still be wrapped
@@ -125,26 +125,33 @@ def check_part(part: Any, box: Any, where: str) -> None:
     check_local(pos, jnp.arange(jnp.shape(pos)[0]) < jnp.asarray(num), box, where)
 
 
-def mapped_bounds(pos: jax.Array, num: Any) -> tuple[jax.Array, jax.Array]:
-    """Inside a mapped kernel: the per-axis min and max of the valid finite rows of ``pos (n, d)`` (``num`` valid
-    rows) over every device (``inf``/``-inf`` without rows), for :func:`check_bounds` on the host after the call.
-    One collective (across processes each costs milliseconds). Not differentiated (a check, not a result)."""
+def local_span(pos: jax.Array, num: Any) -> jax.Array:
+    """Inside a mapped kernel: ``[lower, -upper]`` (`(2 d,)`), the per-axis min and negated max of this device's
+    valid finite rows of ``pos (n, d)`` (``num`` valid rows; ``inf`` without rows). Their minimum over the devices
+    (:func:`shardax._flags.across`, with the kernel's other checks in one collective) gives :func:`split_span` the
+    data's bounds, for :func:`check_bounds` on the host after the call. Not differentiated (a check, not a
+    result)."""
     pos = lax.stop_gradient(pos)
     _, lower, upper = _reduce(pos, _valid_rows(pos, num))
-    both = allreduce(jnp.concatenate([lower, -upper]), "min")
-    return both[:pos.shape[-1]], -both[pos.shape[-1]:]
+    return jnp.concatenate([lower, -upper])
+
+
+def split_span(both: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(lower, upper)`` from the minimum over the devices of :func:`local_span`."""
+    d = both.shape[-1] // 2
+    return both[:d], -both[d:]
 
 
 def bounds_layout(pos: Any) -> tuple[tuple[int, Any], tuple[int, Any]]:
-    """The :func:`shardax._flags.unpack` layout of :func:`mapped_bounds`' two outputs (packed by the kernel) for
+    """The :func:`shardax._flags.unpack` layout of the two bounds a kernel packs (:func:`split_span`) for
     positions like ``pos``."""
     entry = (int(jnp.shape(pos)[-1]), jnp.result_type(pos))
     return entry, entry
 
 
-def mapped_checks(pos: jax.Array, num: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Inside a mapped kernel: the valid rows of ``pos (n, d)`` with a NaN or infinite coordinate (summed over every
-    device) and :func:`mapped_bounds`, from one min/max pass over the positions when they are all finite.
+def local_checks(pos: jax.Array, num: Any) -> tuple[jax.Array, jax.Array]:
+    """Inside a mapped kernel: this device's valid rows of ``pos (n, d)`` with a NaN or infinite coordinate, and
+    :func:`local_span`, from one min/max pass over the positions when they are all finite.
 
     A NaN reaches the min or max and an infinite coordinate is one of them, so finite bounds prove every valid row
     finite; only otherwise does a second pass count the bad rows and take the bounds of the finite ones. Not
@@ -164,15 +171,15 @@ def mapped_checks(pos: jax.Array, num: Any) -> tuple[jax.Array, jax.Array, jax.A
 
     zero = jnp.sum(listed & False, dtype=jnp.int32)  # (varying over the mapped axes, like the count)
     bad, lower, upper = lax.cond(clean, lambda pos: (zero, lower, upper), recount, pos)
-    both = allreduce(jnp.concatenate([lower, -upper]), "min")
-    return allreduce(bad), both[:pos.shape[-1]], -both[pos.shape[-1]:]
+    return bad, jnp.concatenate([lower, -upper])
 
 
 @functools.lru_cache(maxsize=32)
 def _global_fn(mesh: Mesh) -> Any:
     def body(pos: jax.Array, num: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         count, lower, upper = _reduce(pos, _valid_rows(pos, num))
-        return allreduce(count), allreduce(lower, "min"), allreduce(upper, "max")
+        _, (total,), (both,) = _flags.across((), total=[count], minimum=[jnp.concatenate([lower, -upper])])
+        return (total, *split_span(both))
 
     return smap(body, in_specs=(ALL, ALL), out_specs=(P(), P(), P()), mesh=mesh, jit=True,
                 name="particle bounds")

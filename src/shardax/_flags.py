@@ -58,3 +58,71 @@ def unpack(words: Any, *layout: int | tuple[int, Any]) -> list[np.ndarray]:
 def is_traced(words: Any) -> bool:
     """Whether the flags are traced (the global function was called inside an outer ``jit``: nothing to check)."""
     return isinstance(words, Tracer)
+
+
+
+_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _to_words(x: jax.Array) -> jax.Array:
+    """``x``'s bits as a flat ``uint32`` vector (8-byte elements as two words, narrower ones widened)."""
+    if x.dtype == jnp.bool_:
+        return jnp.ravel(x).astype(jnp.uint32)
+    width = x.dtype.itemsize
+    if width == 8:
+        return jnp.ravel(lax.bitcast_convert_type(x, jnp.uint32))
+    return jnp.ravel(lax.bitcast_convert_type(x, _UNSIGNED[width])).astype(jnp.uint32)
+
+
+def _from_words(words: jax.Array, like: jax.Array) -> jax.Array:
+    """`(size, words)` from :func:`_to_words` of arrays like ``like``, back as `(size, *like.shape)`."""
+    size = words.shape[0]
+    if like.dtype == jnp.bool_:
+        return (words != 0).reshape(size, *like.shape)
+    width = like.dtype.itemsize
+    if width == 8:
+        return lax.bitcast_convert_type(words.reshape(size, *like.shape, 2), like.dtype)
+    narrow = words.astype(_UNSIGNED[width]).reshape(size, *like.shape)
+    return lax.bitcast_convert_type(narrow, like.dtype)
+
+
+def gather_together(arrays: Any, deps: Any = ()) -> list[jax.Array]:
+    """Inside a mapped kernel: every device's ``arrays`` (any shapes and dtypes), `(size, *shape)` each, from one
+    all-gather over the context's axes, whose input is computed after every array of ``deps``.
+
+    One collective instead of one per array: across processes each costs milliseconds, and collectives that do not
+    depend on each other may run in different orders on different devices of a program read back from a
+    compilation cache, and wait for each other for ever (:mod:`shardax._order`).
+    """
+    from ._order import after
+    from .comm import allgather
+
+    arrays = [jnp.asarray(a) for a in arrays]
+    words = [_to_words(a) for a in arrays]
+    every = allgather(after(jnp.concatenate(words), deps))  # (size, words)
+    out, at = [], 0
+    for a, w in zip(arrays, words, strict=True):
+        out.append(_from_words(every[:, at:at + w.shape[0]], a))
+        at += w.shape[0]
+    return out
+
+
+def across(deps: Any, *, maximum: Any = (), total: Any = (), minimum: Any = ()) -> tuple[list[jax.Array], ...]:
+    """Inside a mapped kernel: per-device flags combined over every device of the context in one all-gather
+    (:func:`gather_together`), computed after every array of ``deps`` (the kernel's results: the checks' one
+    collective then follows the kernel's last one).
+
+    ``maximum`` and ``total`` are integer or bool arrays (their largest value and their sum over the devices, as
+    int32), ``minimum`` floating arrays (their smallest value, a NaN winning, in their dtype).
+
+    Returns:
+        ``(maxima, totals, minima)``: lists of arrays with the shapes of the inputs, the same on every device.
+    """
+    ints = [jnp.asarray(x).astype(jnp.int32) for x in (*maximum, *total)]
+    floats = [jnp.asarray(x) for x in minimum]
+    every = gather_together([*ints, *floats], deps)
+    cut = len(maximum)
+    maxima = [jnp.max(e, axis=0) for e in every[:cut]]
+    totals = [jnp.sum(e, axis=0, dtype=jnp.int32) for e in every[cut:len(ints)]]
+    minima = [jnp.min(e, axis=0) for e in every[len(ints):]]
+    return maxima, totals, minima

@@ -16,9 +16,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import _flags, comm
 from .._alltoallv import alltoallv_many, exchange_counts_and_max
-from .._bounds import bounds_layout, check_bounds, check_part, mapped_checks
+from .._bounds import bounds_layout, check_bounds, check_part, local_checks, split_span
 from .._errors import CapacityError
 from .._exchange import default_chunk
+from .._order import after
 from .._pytree import check_count, check_global, check_positions, particle_set, row_count
 from .._tuning import tuning_backend
 from ..core import ALL, default_mesh, rank_info, smap
@@ -33,6 +34,11 @@ def _resized(a: jax.Array, rows: int) -> jax.Array:
     return jnp.pad(a, [(0, max(rows - a.shape[0], 0))] + [(0, 0)] * (a.ndim - 1))[:rows]
 
 
+#: The global functions' checks, computed from ``needed`` among the kernel's collectives (see :func:`_to_owners`):
+#: the packed flags, and an output of their collective (what the next collectives wait for).
+Checks = Callable[[jax.Array], tuple[jax.Array, jax.Array]]
+
+
 class _Owned(NamedTuple):
     """Particles at the device owning their lower grid point (:func:`_to_owners`)."""
 
@@ -40,14 +46,19 @@ class _Owned(NamedTuple):
     num: jax.Array  # rows held (at most ``capacity``)
     needed: jax.Array  # the most rows any device had to receive (above ``capacity`` some were dropped)
     back: tuple[jax.Array, ...] | None  # the return trip: perm, send and receive counts, largest count; one device: None
+    flags: jax.Array | None = None  # the global function's checks (``checks`` of :func:`_to_owners`)
 
 
-def _to_owners(part: Any, grid: Grid, capacity: int, extra: dict[str, jax.Array]) -> _Owned:
+def _to_owners(part: Any, grid: Grid, capacity: int, extra: dict[str, jax.Array], deps: Any = (),
+               checks: Checks | None = None) -> _Owned:
     """Send every valid particle (with ``extra`` per-row leaves) to the device owning its lower grid point.
 
     The route is kept, so values computed there go back to the particles' rows (:func:`_send_back`) without sorting
     them again or exchanging counts. On one device (decided at trace time) the rows stay in place: no
-    destinations, counts or exchange.
+    destinations, counts or exchange. The collectives follow those that made ``deps``, and each follows the one
+    before it (the count exchange, the largest count received, ``checks(needed)``, the rounds): collectives that do
+    not depend on each other could run in different orders on different devices of a program read back from a
+    compilation cache.
     """
     n = row_count(part)
     valid = jnp.arange(n, dtype=jnp.int32) < part.num
@@ -58,17 +69,19 @@ def _to_owners(part: Any, grid: Grid, capacity: int, extra: dict[str, jax.Array]
         num = jnp.asarray(part.num, jnp.int32)
         needed = comm.allreduce(num, "max")  # (the same value, typed as replicated over a size-1 mesh axis)
         return _Owned({name: _resized(a, capacity) for name, a in tree.items()}, jnp.minimum(num, capacity), needed,
-                      None)
+                      None, None if checks is None else checks(needed)[0])
     lower, _ = cell_index(tree["pos"], grid)
     # Grouped by a sort of one word per row: no histogram scatter-add (a GPU serialises adds onto a few addresses).
     perm, send_counts = comm.group_by_rank(jnp.where(valid, grid.owner(lower), size), size)
-    needed = jnp.max(comm.allreduce(send_counts))
-    recv_counts, largest = exchange_counts_and_max(send_counts, axes)
+    recv_counts, largest = exchange_counts_and_max(after(send_counts, deps), axes)
+    needed = comm.allreduce(jnp.sum(recv_counts).astype(jnp.int32), "max")
+    flags, checked = (None, None) if checks is None else checks(needed)
+    largest = after(largest, (needed, checked))  # (the rounds, whose number it sets, after those)
     names = list(tree)
     outs, _, _ = alltoallv_many([tree[name] for name in names], send_counts, capacity, axes, "auto",
                                 default_chunk(capacity, size), perm=perm, plan=(recv_counts, largest))
     num = jnp.minimum(jnp.sum(recv_counts), capacity).astype(jnp.int32)
-    return _Owned(dict(zip(names, outs, strict=True)), num, needed, (perm, send_counts, recv_counts, largest))
+    return _Owned(dict(zip(names, outs, strict=True)), num, needed, (perm, send_counts, recv_counts, largest), flags)
 
 
 def _send_back(values: jax.Array, owned: _Owned, part: Any) -> jax.Array:
@@ -128,12 +141,19 @@ def fold_halo(padded: jax.Array, grid: Grid) -> jax.Array:
 
 def extend_halo(block: jax.Array, grid: Grid) -> jax.Array:
     """Append to every split axis the first plane of the next device (periodic): the high halo CIC reads."""
+    return _extended(block, grid)[0]
+
+
+def _extended(block: jax.Array, grid: Grid, deps: Any = ()) -> tuple[jax.Array, jax.Array]:
+    """:func:`extend_halo` with its collectives after those that made ``deps``, and the last plane received."""
+    received = jnp.zeros((), block.dtype)
     for dim, group in enumerate(grid.split):
         if not group:
             continue
-        received = comm.shift(jax.lax.slice_in_dim(block, 0, 1, axis=dim), -1, axis=group)
+        received = comm.shift(after(jax.lax.slice_in_dim(block, 0, 1, axis=dim), deps), -1, axis=group)
+        deps = ()
         block = jnp.concatenate([block, received], axis=dim)
-    return block
+    return block, received
 
 
 def _padded_shape(grid: Grid) -> tuple[int, ...]:
@@ -234,11 +254,18 @@ def local_paint(part: Any, shape: Sequence[int], *, box: Any, spec: Any = None, 
         >>> float(rho.sum()), float(rho[1, 2, 2])
         (1.0, 1.0)
     """
+    field, needed, _ = _paint(part, shape, box, spec, capacity)
+    return field, needed
+
+
+def _paint(part: Any, shape: Sequence[int], box: Any, spec: Any, capacity: int | None,
+           checks: Checks | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """:func:`local_paint`, and ``checks(needed)`` computed in its place among the collectives."""
     part = _local_set(part, "local_paint")
     check_part(part, box, "local_paint")
     grid = Grid.local(shape, spec, box, "local_paint")
-    owned = _to_owners(part, grid, _capacity(capacity, part), {"mass": _masses(part)})
-    return _deposit(owned, grid, part.pos.dtype), owned.needed
+    owned = _to_owners(part, grid, _capacity(capacity, part), {"mass": _masses(part)}, checks=checks)
+    return _deposit(owned, grid, part.pos.dtype), owned.needed, owned.flags
 
 
 def _masses(part: Any) -> jax.Array:
@@ -267,16 +294,17 @@ def _deposit(owned: _Owned, grid: Grid, dtype: Any) -> jax.Array:
     return fold_halo(padded.reshape(padded_shape), grid)
 
 
-def _interpolate(field: jax.Array, owned: _Owned, grid: Grid) -> jax.Array:
-    """`(capacity, *components)` the CIC interpolation of this device's block of ``field`` at the owned rows."""
-    components = field.shape[3:]
+def _interpolate(padded: jax.Array, owned: _Owned, grid: Grid) -> jax.Array:
+    """`(capacity, *components)` the CIC interpolation at the owned rows of this device's block of a field, with its
+    halo planes (:func:`extend_halo`)."""
+    components = padded.shape[3:]
     capacity = owned.rows["pos"].shape[0]
     padded_shape = _padded_shape(grid)
-    padded = extend_halo(field, grid).reshape(math.prod(padded_shape), *components)
+    padded = padded.reshape(math.prod(padded_shape), *components)
     received = jnp.arange(capacity, dtype=jnp.int32) < owned.num
     lower, frac = cell_index(jnp.where(received[:, None], owned.rows["pos"], 0), grid)
     starts = grid.block_start()
-    values = jnp.zeros((capacity, *components), field.dtype)
+    values = jnp.zeros((capacity, *components), padded.dtype)
     for corner in _CORNERS:
         index = _flat_corner(lower, corner, grid, starts, padded_shape)
         weight = _weights(frac, corner).reshape((capacity,) + (1,) * len(components))
@@ -312,14 +340,23 @@ def local_readout(field: jax.Array, part: Any, *, box: Any, spec: Any = None, ca
         >>> float(values[0])
         8.0
     """
+    values, needed, _ = _readout(field, part, box, spec, capacity)
+    return values, needed
+
+
+def _readout(field: jax.Array, part: Any, box: Any, spec: Any, capacity: int | None,
+             checks: Checks | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """:func:`local_readout`, and ``checks(needed)`` computed in its place among the collectives."""
     part = _local_set(part, "local_readout")
     check_part(part, box, "local_readout")
     if np.ndim(field) < 3:
         raise ValueError(f"local_readout: field must be this device's 3D block (with optional trailing component "
                          f"axes), got shape {np.shape(field)}")
     grid = Grid.from_block(np.shape(field)[:3], spec, box, "local_readout")
-    owned = _to_owners(part, grid, _capacity(capacity, part), {})
-    return _send_back(_interpolate(jnp.asarray(field), owned, grid), owned, part), owned.needed
+    owned = _to_owners(part, grid, _capacity(capacity, part), {}, checks=checks)
+    # The halo's collectives after the particles' exchange (the two do not depend on each other).
+    padded = _extended(jnp.asarray(field), grid, owned.rows["pos"])[0]
+    return _send_back(_interpolate(padded, owned, grid), owned, part), owned.needed, owned.flags
 
 
 def local_paint_readout(part: Any, shape: Sequence[int], solve: Callable[[jax.Array], jax.Array], *, box: Any,
@@ -362,7 +399,9 @@ def local_paint_readout(part: Any, shape: Sequence[int], solve: Callable[[jax.Ar
     if field.ndim < 3 or field.shape[:3] != grid.block:
         raise ValueError(f"local_paint_readout: solve must return this device's block {grid.block} of the fields "
                          f"(with optional trailing component axes), got shape {field.shape}")
-    return _send_back(_interpolate(field, owned, grid), owned, part), owned.needed
+    # (as in readout, so that the values are the same bits: the solve already follows the exchange)
+    padded = _extended(field, grid, owned.rows["pos"])[0]
+    return _send_back(_interpolate(padded, owned, grid), owned, part), owned.needed
 
 
 def _rows(part: Any) -> dict[str, jax.Array]:
@@ -401,10 +440,16 @@ def _particle_mesh(pos: Any, mesh: Mesh | None) -> Mesh:
     return default_mesh(mesh)
 
 
-def _checks(local: Particles, needed: jax.Array) -> jax.Array:
-    """The kernel's replicated error flags, packed: particles a device had to receive, non-finite rows, the
-    positions' span (:func:`_raise_errors` reads them after the call)."""
-    return _flags.pack(needed, *mapped_checks(local.pos, local.num))
+def _checks(local: Particles) -> Checks:
+    """The kernel's replicated error flags, packed, from ``needed`` (the particles a device had to receive): that,
+    the non-finite rows and the positions' span (:func:`_raise_errors` reads them after the call). Their one
+    collective runs after the all-reduce of ``needed``, before the particles travel (:func:`_to_owners`)."""
+    def checks(needed: jax.Array) -> tuple[jax.Array, jax.Array]:
+        bad, span = local_checks(local.pos, local.num)
+        _, (nonfinite,), (both,) = _flags.across(needed, total=[bad], minimum=[span])
+        return _flags.pack(needed, nonfinite, *split_span(both)), nonfinite  # (the latter: the all-gather's output)
+
+    return checks
 
 
 def _raise_errors(name: str, checks: jax.Array, pos: Any, box: Any, capacity: int) -> None:
@@ -422,8 +467,8 @@ def _paint_fn(mesh: Mesh, shape: tuple[int, ...], box: Any, spec: PartitionSpec,
     """The mapped kernel; ``backend`` (the tuning preset, read at trace time) keys the cache: one trace per preset."""
     def body(rows: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         local = _local_part(rows)
-        field, needed = local_paint(local, shape, box=box, spec=spec, capacity=capacity)
-        return field, _checks(local, needed)
+        field, _, flags = _paint(local, shape, box, spec, capacity, checks=_checks(local))
+        return field, flags
     return smap(body, in_specs=(PartitionSpec(ALL),), out_specs=(spec, PartitionSpec()), mesh=mesh, expand=False,
                 jit=True)
 
@@ -473,8 +518,8 @@ def _readout_fn(mesh: Mesh, box: Any, spec: PartitionSpec, capacity: int | None,
     """As :func:`_paint_fn`."""
     def body(field: jax.Array, rows: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         local = _local_part(rows)
-        values, needed = local_readout(field, local, box=box, spec=spec, capacity=capacity)
-        return values[None], _checks(local, needed)
+        values, _, flags = _readout(field, local, box, spec, capacity, checks=_checks(local))
+        return values[None], flags
     return smap(body, in_specs=(spec, PartitionSpec(ALL)), out_specs=(PartitionSpec(ALL), PartitionSpec()), mesh=mesh,
                 expand=False, jit=True)
 

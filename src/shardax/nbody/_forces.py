@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import comm, fft, fields
+from .._order import after
 from ..particles import Particles
 from ._lpt import Kernels, scaled, times_i
 from ._setup import Setup
@@ -30,10 +31,7 @@ def local_pm_forces(setup: Setup, pos: jax.Array, num: jax.Array | None = None) 
         or reading (above ``setup.capacity`` some were dropped: the caller raises).
     """
     nm = setup.nm
-    if num is None:
-        count, total = jnp.int32(pos.shape[0]), setup.n**3
-    else:
-        count, total = num, comm.allreduce(num).astype(pos.dtype)
+    count = jnp.int32(pos.shape[0]) if num is None else num
     # With a mesh twice as fine as the particle grid, the nodes sit half a mesh cell off the Lagrangian lattice:
     # painted there, the unperturbed lattice is uniform on the mesh. On the nodes it would paint a comb at the
     # mesh's Nyquist frequency whose images, read back at the same nodes, strengthen the force of long waves
@@ -46,11 +44,19 @@ def local_pm_forces(setup: Setup, pos: jax.Array, num: jax.Array | None = None) 
         green = green / kern.cic_window()  # painting's window (readout's is left: deconvolving both is unstable)
 
     def solve(rho: jax.Array) -> jax.Array:
-        """The three force components on this device's block of the mesh, stacked on the last axis."""
+        """The three force components on this device's block of the mesh, stacked on the last axis.
+
+        Each collective follows the one before it in the data (the particle count after the painting, each
+        component's transform after the previous one's): collectives that do not depend on each other could run in
+        different orders on different devices of a program read back from a compilation cache."""
+        total = setup.n**3 if num is None else comm.allreduce(after(num, rho)).astype(pos.dtype)
         delta = rho * (nm**3 / total) - 1
         phi = scaled(fft.local_rfftn(delta, spec=setup.spec, layout=setup.fft_layout), green)
-        return jnp.stack([fft.local_irfftn(times_i(phi, -g), spec=setup.spec, layout=setup.fft_layout,
-                                           s=(nm, nm, nm)) for g in kern.grad], axis=-1)
+        components: list[jax.Array] = []
+        for g in kern.grad:
+            components.append(fft.local_irfftn(after(times_i(phi, -g), components), spec=setup.spec,
+                                               layout=setup.fft_layout, s=(nm, nm, nm)))
+        return jnp.stack(components, axis=-1)
 
     # The particles travel to the mesh's owners once, and their three force components come back once.
     return fields.local_paint_readout(part, (nm, nm, nm), solve, box=setup.box, spec=setup.spec,

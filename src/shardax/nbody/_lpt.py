@@ -16,6 +16,7 @@ from jax import lax
 from jax.extend.random import threefry_2x32
 
 from .. import fft
+from .._order import after
 from ._setup import Setup
 
 PowerFn = Callable[[jax.Array], jax.Array]
@@ -103,8 +104,11 @@ def local_linear_modes(setup: Setup, noise: jax.Array, power: PowerFn) -> tuple[
     return scaled(modes, amplitude), kernels
 
 
-def _irfftn(setup: Setup, modes: jax.Array, n: int) -> jax.Array:
-    return fft.local_irfftn(modes, spec=setup.spec, layout=setup.fft_layout, s=(n, n, n))
+def _irfftn(setup: Setup, modes: jax.Array, n: int, deps: Any = ()) -> jax.Array:
+    """The inverse transform of ``modes``, its collectives after those that made ``deps``: transforms that do not
+    depend on each other could run their collectives in different orders on different devices of a program read
+    back from a compilation cache."""
+    return fft.local_irfftn(after(modes, deps), spec=setup.spec, layout=setup.fft_layout, s=(n, n, n))
 
 
 def local_lpt_fields(setup: Setup, noise: jax.Array, power: PowerFn) -> tuple[jax.Array, jax.Array | None]:
@@ -116,17 +120,24 @@ def local_lpt_fields(setup: Setup, noise: jax.Array, power: PowerFn) -> tuple[ja
     n = setup.n
     delta_k, kern = local_linear_modes(setup, noise, power)
     phi = scaled(delta_k, kern.inv_laplace)
-    s1 = jnp.stack([_irfftn(setup, times_i(phi, -g), n).reshape(-1) for g in kern.grad], axis=1)
+    done: list[jax.Array] = []  # every transform so far (each one's collectives follow the last one's)
+    for g in kern.grad:
+        done.append(_irfftn(setup, times_i(phi, -g), n, done[-1:]))
+    s1 = jnp.stack([c.reshape(-1) for c in done], axis=1)
     if setup.order == 1:
         return s1, None
     hessian = {}
     for i in range(3):
         for j in range(i, 3):
-            hessian[i, j] = _irfftn(setup, scaled(phi, -kern.grad[i] * kern.grad[j]), n)
+            hessian[i, j] = _irfftn(setup, scaled(phi, -kern.grad[i] * kern.grad[j]), n, done[-1:])
+            done.append(hessian[i, j])
     source = (hessian[0, 0] * hessian[1, 1] + hessian[0, 0] * hessian[2, 2] + hessian[1, 1] * hessian[2, 2]
               - hessian[0, 1] ** 2 - hessian[0, 2] ** 2 - hessian[1, 2] ** 2)
     phi2 = scaled(fft.local_rfftn(source, spec=setup.spec, layout=setup.fft_layout), kern.inv_laplace)
-    s2 = jnp.stack([_irfftn(setup, times_i(phi2, g), n).reshape(-1) for g in kern.grad], axis=1)
+    second: list[jax.Array] = []
+    for g in kern.grad:
+        second.append(_irfftn(setup, times_i(phi2, g), n, second[-1:]))
+    s2 = jnp.stack([c.reshape(-1) for c in second], axis=1)
     return s1, s2
 
 

@@ -18,10 +18,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from .._flags import gather_together
 from .._morton import INVALID_KEY, KEY_BITS_PER_DIM, Box, KeyBox, key_box, morton_key
 from .._pytree import check_positions, particle_set
 from .._tuning import tuning_backend
-from ..comm import allgather
 from ..core import distributed
 
 
@@ -153,12 +153,14 @@ def domain_of(part: Any, kbox: KeyBox, num_cells: int) -> Domain:
     empty = num == 0
     first_key = jnp.where(empty, jnp.uint32(INVALID_KEY), jnp.stack([hi[0], lo[0]]))
     last_key = jnp.where(empty, jnp.uint32(0), jnp.stack([hi[last], lo[last]]))
-    counts = allgather(num)
+    # One all-gather for every field (each would be a collective of its own).
+    (counts, first_key, last_key, lower, upper, level, cell_start, cell_count, cell_lower,
+     cell_upper) = gather_together([num, first_key, last_key, lower, upper, level, cell_start, cell_count,
+                                    cell_lower, cell_upper], deps=(part.pos,))
     return Domain(
         origin=kbox.origin, extent=kbox.extent, counts=counts, offsets=jnp.cumsum(counts) - counts,
-        first_key=allgather(first_key), last_key=allgather(last_key), lower=allgather(lower),
-        upper=allgather(upper), cell_level=allgather(level), cell_start=allgather(cell_start),
-        cell_count=allgather(cell_count), cell_lower=allgather(cell_lower), cell_upper=allgather(cell_upper),
+        first_key=first_key, last_key=last_key, lower=lower, upper=upper, cell_level=level,
+        cell_start=cell_start, cell_count=cell_count, cell_lower=cell_lower, cell_upper=cell_upper,
         periodic=kbox.periodic)
 
 

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .. import _flags, _zorder
-from .._bounds import bounds_layout, check_bounds, check_part, mapped_bounds
+from .._bounds import bounds_layout, check_bounds, check_part, local_span, split_span
 from .._compile import particle_compiler_options
 from .._eager import is_concrete, run_compiled
 from .._errors import CapacityError
@@ -162,9 +162,11 @@ def _constructed(mesh: Mesh | None, jit: bool, donate: bool) -> Callable[..., An
                 # Every device knows the largest need: no collective for the flags.
                 cap = capacity if capacity is not None else jnp.shape(local.pos)[0]
                 checks = (result.worst > cap, result.worst, result.nonfinite)
-                if box is not None and jnp.issubdtype(local.pos.dtype, jnp.floating):  # checked after the call
-                    checks += mapped_bounds(local.pos, local.num)
                 dom = domain_of(result.part, result.key_box, num_cells) if return_domain else None
+                if box is not None and jnp.issubdtype(local.pos.dtype, jnp.floating):  # checked after the call
+                    # (after the sort's and the domain's collectives, as every pair of collectives must be ordered)
+                    _, _, (both,) = _flags.across((result.part, dom), minimum=[local_span(local.pos, local.num)])
+                    checks += split_span(both)
                 return result.part, result.overflow, _flags.pack(*checks), dom
 
             fn = smap(body, in_specs=(ALL, P() if not static_box else None),

@@ -17,12 +17,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .. import _flags
-from .._bounds import bounds_layout, check_bounds, mapped_bounds
+from .._bounds import bounds_layout, check_bounds, local_span, split_span
 from .._compile import particle_compiler_options
 from .._errors import CapacityError
 from .._morton import check_box
 from .._pytree import check_global, pad_global, particle_set
-from ..comm import allgather
 from ..core import ALL, attach_global, smap
 from ..particles import Particles
 from ._fof import Buffers, FofResult, TuningName, device_buffers, fof, requested_buffers
@@ -67,11 +66,14 @@ def _smap_body(treedef: Any, static: _Static, sizes: Buffers) -> Callable[..., A
         bad = jnp.sum(valid & ~jnp.all(jnp.isfinite(view.pos), axis=1)).astype(jnp.int32)
         res = fof(local, static.linking_length, box=static.box, min_members=static.min_members,
                   tuning=static.tuning, **sizes._asdict())
-        # One all-gather for the three flags (across processes each collective costs milliseconds).
-        every = allgather(jnp.concatenate([res.overflow.astype(jnp.int32)[None], res.needed, bad[None]]))
-        worst = jnp.max(every[:, :-1], axis=0)
-        span = mapped_bounds(view.pos, view.num) if static.box is not None else ()  # checked after the call
-        return res, _flags.pack(worst[0], worst[1:], jnp.sum(every[:, -1]), *span)
+        # One all-gather for every flag (across processes each collective costs milliseconds), after FoF's last
+        # collective: two that do not depend on each other could run in different orders on different devices.
+        spans = [local_span(view.pos, view.num)] if static.box is not None else []  # checked after the call
+        (worst,), (total_bad,), minima = _flags.across(
+            res, maximum=[jnp.concatenate([res.overflow.astype(jnp.int32)[None], res.needed])], total=[bad],
+            minimum=spans)
+        span = split_span(minima[0]) if minima else ()
+        return res, _flags.pack(worst[0], worst[1:], total_bad, *span)
 
     return body
 

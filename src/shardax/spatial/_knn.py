@@ -13,13 +13,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .. import _flags
-from .._bounds import bounds_layout, check_bounds, check_local, mapped_bounds
+from .._bounds import bounds_layout, check_bounds, check_local, local_span, split_span
 from .._compile import particle_compiler_options
 from .._eager import is_concrete, run_compiled
 from .._errors import CapacityError
 from .._morton import as_vector, check_box
 from .._pytree import check_count, check_global, particle_set, spare_rows
-from ..comm import allgather, allreduce, scan
+from ..comm import scan
 from ..core import ALL, attach_global, rank_info, smap
 from ..particles import Particles
 from ._knn_dist import Flags, default_ghost_capacity, distributed_knn
@@ -85,11 +85,19 @@ def _check_finite(pos: jax.Array, valid: jax.Array, name: str) -> None:
                          f"{int(np.argmax(bad.reshape(-1)))}); remove or fix them")
 
 
-def _extent(pos: jax.Array, valid: jax.Array) -> jax.Array:
-    """Largest per-axis extent of the valid rows over every device of the context (0 without rows)."""
+def _local_reach(pos: jax.Array, valid: jax.Array) -> jax.Array:
+    """``[lower, -upper]`` (`(2 d,)`) of this device's valid rows (``finfo.max`` without rows): their minimum over
+    the devices gives :func:`_extent`."""
     big = jnp.asarray(jnp.finfo(pos.dtype).max, pos.dtype)
-    lo = allreduce(jnp.min(jnp.where(valid[:, None], pos, big), axis=0), "min")
-    hi = allreduce(jnp.max(jnp.where(valid[:, None], pos, -big), axis=0), "max")
+    lo = jnp.min(jnp.where(valid[:, None], pos, big), axis=0)
+    hi = jnp.max(jnp.where(valid[:, None], pos, -big), axis=0)
+    return jnp.concatenate([lo, -hi])
+
+
+def _extent(reach: jax.Array) -> jax.Array:
+    """Largest per-axis extent from the minimum over the devices of :func:`_local_reach` (0 without rows)."""
+    d = reach.shape[0] // 2
+    lo, hi = reach[:d], -reach[d:]
     return jnp.max(jnp.where(hi >= lo, hi - lo, 0))
 
 
@@ -211,7 +219,7 @@ def _knn(part: Any, k: int, *, box: Box, query: Any, reduce: Reduce | None, ghos
     _check_k(k, n, None if isinstance(valid, Tracer) or rank_info().size > 1 else int(jnp.sum(valid)))
     _check_finite(pos, valid, "part")
     if box is None and not isinstance(pos, Tracer) and not isinstance(valid, Tracer) and rank_info().size == 1:
-        _check_extent(_extent(pos, valid), pos.dtype, dim, "part")
+        _check_extent(_extent(_local_reach(pos, valid)), pos.dtype, dim, "part")
     if ghost_capacity is not None and (isinstance(ghost_capacity, bool) or not isinstance(ghost_capacity, int)
                                        or ghost_capacity < 1):
         raise ValueError(f"knn: ghost_capacity must be a positive int or None, got {ghost_capacity!r}")
@@ -234,8 +242,8 @@ def _knn(part: Any, k: int, *, box: Box, query: Any, reduce: Reduce | None, ghos
         _check_finite(qpos, qvalid, "query")
         if box is None and not any(isinstance(x, Tracer) for x in (pos, valid, qpos, qvalid)) and \
                 rank_info().size == 1:
-            _check_extent(_extent(jnp.concatenate([pos, qpos]), jnp.concatenate([valid, qvalid])), pos.dtype, dim,
-                          "part and query")
+            reach = _local_reach(jnp.concatenate([pos, qpos]), jnp.concatenate([valid, qvalid]))
+            _check_extent(_extent(reach), pos.dtype, dim, "part and query")
     _check_box(box, dim, pos.dtype)
     check_local(pos, valid, box, "knn: part")
     if query is not None:
@@ -300,7 +308,8 @@ def _search(part: Any, query: Any, box: Box, reduce: Reduce | None, options: _Se
         return KnnResult(out.distances, out.indices), out.flags, out.zpart
     if size > 1:
         # Separate query points on a mesh: every device searches all particles (exact, not scalable).
-        pos, valid, ids = (allgather(x, tiled=True) for x in (pos, valid, ids))
+        # (One all-gather for the three: collectives that do not depend on each other must not be left unordered.)
+        pos, valid, ids = (x.reshape(-1, *x.shape[2:]) for x in _flags.gather_together([pos, valid, ids]))
 
     dist2, rows = local_knn(pos, valid, qpos, qvalid, ids, k=k, box=boxv, tuning=tuning)
     distances = jnp.sqrt(dist2)
@@ -362,21 +371,25 @@ def _knn_smap(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., An
                 query = jax.tree.unflatten(query_def, query_leaves)
                 # Data checks inside the mapped function: the host cannot read other processes' rows.
                 pos, valid = _positions(part, "part")
-                total = allreduce(jnp.sum(valid, dtype=jnp.int32))
                 finite = jnp.all(jnp.isfinite(pos), axis=-1)
-                nonfinite = allreduce(jnp.sum(valid & ~finite, dtype=jnp.int32))
-                extent = jnp.zeros((), pos.dtype)
-                if static_box is None:
-                    extent = _extent(pos, valid & finite)
+                if static_box is None:  # the extent of the data and the queries
+                    reach = _local_reach(pos, valid & finite)
                     if query is not None:
                         qpos, qvalid = _positions(query, "query")
-                        extent = jnp.maximum(extent, _extent(jnp.concatenate([pos, qpos]),
-                                                             jnp.concatenate([valid & finite, qvalid])))
+                        reach = _local_reach(jnp.concatenate([pos, qpos]), jnp.concatenate([valid & finite, qvalid]))
+                else:  # the data's bounds, checked against the box
+                    reach = local_span(pos, jnp.sum(valid, dtype=jnp.int32))
                 result, flags, zpart = _knn(part, k, box=static_box, query=query, reduce=reduce,
                                             ghost_capacity=ghost_capacity, zorder=zorder, tuning=resolved)
-                checks = tuple(allreduce(jnp.asarray(f, jnp.int32), "max") for f in flags)
-                span = mapped_bounds(pos, jnp.sum(valid, dtype=jnp.int32)) if static_box is not None else ()
-                return result, zpart, _flags.pack(*checks, total, nonfinite, extent, *span)
+                # Every check in one collective, after the search's last one.
+                checks, (total, nonfinite), (reach,) = _flags.across(
+                    (result, zpart), maximum=flags, total=[jnp.sum(valid, dtype=jnp.int32),
+                                                           jnp.sum(valid & ~finite, dtype=jnp.int32)],
+                    minimum=[reach])
+                if static_box is None:
+                    return result, zpart, _flags.pack(*checks, total, nonfinite, _extent(reach))
+                return result, zpart, _flags.pack(*checks, total, nonfinite, jnp.zeros((), pos.dtype),
+                                                  *split_span(reach))
 
             fn = smap(body, in_specs=(ALL, ALL), out_specs=(ALL, ALL, P()), mesh=mesh, jit=jit, name="knn.smap",
                       compiler_options=particle_compiler_options() if jit else None)

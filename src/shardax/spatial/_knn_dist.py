@@ -24,10 +24,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .._flags import gather_together
 from .._morton import KeyBox, morton_key
+from .._order import after
 from .._pytree import replace_field, with_num
 from .._zorder import sort_particles
-from ..comm import allgather, allreduce, exchange
+from ..comm import allreduce, exchange
 from ..core import rank_info
 from ..particles import Particles
 from ._grid import unwrapped_piece
@@ -135,8 +137,9 @@ def distributed_knn(part: Any, pos: jax.Array, valid: jax.Array, ids: jax.Array,
         return DistributedKnn(distances, indices, flags, zpart)
 
     # Home: every result row back to the device and row it came from.
+    # (its counts after the search: they depend only on the sort, and would be exchanged while the devices search)
     back, _, home_overflow = exchange({"d": distances, "v": indices, "row": sorted_rows.home_row},
-                                      sorted_rows.home_rank, num=znum, capacity=n)
+                                      sorted_rows.home_rank, num=after(znum, distances), capacity=n)
     target = jnp.where(jnp.arange(n) < jnp.sum(valid), back["row"], n)
     distances = jnp.full_like(distances, jnp.inf).at[target].set(back["d"], mode="drop")
     indices = jax.tree.map(lambda v: jnp.zeros_like(v).at[target].set(v, mode="drop"), back["v"])
@@ -187,8 +190,8 @@ def _with_ghosts(zpos: jax.Array, zvalid: jax.Array, zids: jax.Array, k: int, bo
     own = None if boxv is None else _piece(zpos, zvalid, n, boxv, jnp.zeros((), zpos.dtype), lo, hi, occupied)
     radius = jnp.sqrt(kth_distance_bound(zpos, zvalid, k=k, box=boxv, tuning=tuning, piece=own))
     grow = jax.ops.segment_max(jnp.where(zvalid, radius, -big), run, num_segments=chunks)
-    boxes_lo = allgather(lo - grow[:, None]).reshape(size * chunks, dim)
-    boxes_hi = allgather(hi + grow[:, None]).reshape(size * chunks, dim)
+    boxes_lo, boxes_hi = (b.reshape(size * chunks, dim) for b in gather_together([lo - grow[:, None],
+                                                                                   hi + grow[:, None]]))
     hit = _inside(zpos, boxes_lo, boxes_hi, boxv).reshape(n, size, chunks)
     to = jnp.any(hit, axis=-1) & zvalid[:, None] & (jnp.arange(size)[None, :] != rank)
 
@@ -197,8 +200,10 @@ def _with_ghosts(zpos: jax.Array, zvalid: jax.Array, zids: jax.Array, k: int, bo
     received = allreduce(jnp.sum(to, axis=0, dtype=jnp.int32))[rank]
     picked = positions_of(pairs, capacity, size * n)
     src = picked % n
+    # (the exchange after that count: collectives that do not depend on each other could run in different orders)
     ghosts, ghost_num, ghost_overflow = exchange({"pos": zpos[src], "ids": zids[src]}, picked // n,
-                                                 num=jnp.minimum(wanted, capacity), capacity=capacity)
+                                                 num=after(jnp.minimum(wanted, capacity), received),
+                                                 capacity=capacity)
     all_pos = jnp.concatenate([zpos, ghosts["pos"]])
     all_valid = jnp.concatenate([zvalid, jnp.arange(capacity) < ghost_num])
     all_ids = jnp.concatenate([zids, jnp.where(all_valid[n:], ghosts["ids"], jnp.iinfo(jnp.int32).max)])
