@@ -14,6 +14,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from .. import comm
 from .. import fft as sxfft
+from .._order import after
 from .._tuning import tuning_backend
 from ..core import smap
 from ._grid import Grid, _box3, field_sharding
@@ -96,7 +97,11 @@ def local_power_spectrum(delta: jax.Array, *, box: Any, bins: int | Sequence[flo
     weight = weight.reshape(-1)
     fweight = weight.astype(dtype)
     modes, psum, ksum = _bin_sums(flat, nbins, weight, fweight * power.reshape(-1), fweight * kmag.reshape(-1))
-    modes, psum, ksum = comm.allreduce(modes), comm.allreduce(psum), comm.allreduce(ksum)
+    # The sums over the devices in order: the power's after the transform, the mode counts after them (they do not
+    # depend on the transform, and collectives that do not depend on each other could run in different orders on
+    # different devices of a program read back from a compilation cache).
+    psum, ksum = comm.allreduce(jnp.stack([psum, ksum]))
+    modes = comm.allreduce(after(modes, psum))
     volume = math.prod(grid.box)
     cells = math.prod(shape)
     safe = jnp.maximum(modes, 1).astype(dtype)
