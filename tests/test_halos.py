@@ -114,22 +114,24 @@ def test_cache_is_used_and_inherited(tmp_path) -> None:
     assert _fresh_process(code, tmp_path) == [want, want, "0", "True", "None", "false"]
 
 
-def test_cache_off_for_cpu_programs_of_several_devices(tmp_path) -> None:
-    """The jobs keep the cache on a GPU and on one CPU device, and turn it off on CPU runs of several devices (XLA:CPU
-    executables read back lose the order of their collectives): nothing is loaded or written there, even after a
-    program already ran with the cache on."""
+def test_cache_policy_after_initialize(tmp_path) -> None:
+    """The jobs keep the cache on everywhere (with the same key for a program on every process, and loaded CPU
+    programs of several devices checked for unordered collectives); CPU runs of several processes on one machine
+    share their first compilations, other runs do not."""
     code = ("import jax, jax.numpy as jnp\n"
             "from types import SimpleNamespace as W\n"
             "from shardax._compile_cache import settle_compilation_cache, use_compilation_cache\n"
             "path = use_compilation_cache(True)\n"
             "jax.jit(lambda x: x + 1)(jnp.arange(3.0)).block_until_ready()\n"
-            "got = [settle_compilation_cache(W(platform='gpu', device_count=8)), "
-            "settle_compilation_cache(W(platform='cpu', device_count=1)), "
-            "settle_compilation_cache(W(platform='cpu', device_count=8)), jax.config.jax_enable_compilation_cache]\n"
-            "from jax._src import compilation_cache\n"
-            "got.append(compilation_cache.is_cache_used(jax.devices()[0].client))\n"
+            "got = []\n"
+            "for w in (W(platform='gpu', device_count=8, num_processes=2, num_hosts=1), W(platform='cpu', "
+            "device_count=1, num_processes=1, num_hosts=1), W(platform='cpu', device_count=8, num_processes=1, "
+            "num_hosts=1), W(platform='cpu', device_count=8, num_processes=2, num_hosts=1), W(platform='cpu', "
+            "device_count=8, num_processes=2, num_hosts=2)):\n"
+            "    got += [settle_compilation_cache(w), jax.config.jax_share_binary_between_hosts]\n"
             "print(*got)\n")
-    assert _fresh_process(code, tmp_path) == ["True", "True", "False", "False", "False"]
+    assert _fresh_process(code, tmp_path) == ["True", "False", "True", "False", "True", "False", "True", "True",
+                                              "True", "False"]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -189,16 +191,30 @@ def test_same_catalogue_at_one_and_two_processes(tmp_path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_several_cpu_devices_compile_rather_than_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the jobs' cache settings, a 2-process CPU program compiles on every process, on the first run and on the
-    second (nothing is loaded from the cache or from another process: read-back CPU executables may run their
-    collectives out of order), and the result is right both times."""
+def test_cpu_programs_of_several_devices_are_shared_and_cached_when_ordered(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the jobs' cache settings on 2 processes x 2 CPU devices: a program whose collectives are ordered by data
+    is compiled once per run on the first run (process 0 hands it to process 1) and loaded from the cache on the
+    second; a program with two unordered collectives is loaded too, but every process compiles it again itself (a
+    read-back XLA:CPU executable could run them in different orders on different devices); a program whose key
+    differs between the processes is compiled by each after a wait. Right results each time."""
     script = Path(__file__).parent / "scripts" / "cache_keys.py"
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "cache"))
-    for _ in range(2):
+    # A program whose key differs between the processes (a constant of each process's own) is waited for in vain by
+    # process 1, which then compiles it itself (after 3 s here): it gets its own constant, 1 per row.
+    monkeypatch.setenv("JAX_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS", "3000")
+    want = {  # (run, process, program) -> (cache hits, programs this process compiled, total)
+        (0, 0, "ordered"): (0, 1, 65), (0, 1, "ordered"): (0, 0, 65), (0, 0, "unordered"): (0, 1, 65),
+        (0, 1, "unordered"): (0, 1, 65), (0, 0, "per_process"): (0, 1, 60), (0, 1, "per_process"): (0, 1, 65),
+        (1, 0, "ordered"): (1, 0, 65), (1, 1, "ordered"): (1, 0, 65), (1, 0, "unordered"): (1, 1, 65),
+        (1, 1, "unordered"): (1, 1, 65), (1, 0, "per_process"): (1, 0, 60), (1, 1, "per_process"): (0, 1, 65)}
+    for run in range(2):
         result = sx.testing.launch_script(str(script), "3.0", num_processes=2, cpu_devices=2, timeout_s=300)
         assert result.returncode == 0, result.output
-        for rank in (0, 1):
-            line = next(line for line in result.output.splitlines() if f"process {rank}:" in line)
-            assert "total 60.0" in line and " hits 0 " in line and " cached False " in line, line   # 4 devices x 5 x 3
-    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]   # nothing written either
+        for (r, rank, name), (hits, compiled, total) in want.items():
+            if r != run:
+                continue
+            line = next(line for line in result.output.splitlines() if f"process {rank} {name}:" in line)
+            # 4 devices x 5 rows x 3 (all-reduce) + 5 (all-reduce of the max, or the process's constant)
+            assert f"hits {hits} compiled {compiled} cached True total {total}.0" in line, (run, line)
+    assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]

@@ -142,8 +142,8 @@ def bench_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cache-dir", default=None, metavar="DIR",
                         help="persistent compilation cache of the workers (default $JAX_COMPILATION_CACHE_DIR, else "
                              f"{default_cache_dir()}, shared with `shardax halos` and `shardax demo`): a second run "
-                             "loads the programs the cache can hold instead of compiling them (GPUs and one CPU "
-                             "device; runs on several CPU devices always compile)")
+                             "loads the programs the cache can hold instead of compiling them (on CPU, a program of "
+                             "several devices whose collectives are not ordered by data is compiled again)")
     add_run_options(parser, out="bench_out", timeout=3600.0,
                     timeout_help="stop a device configuration's worker after S seconds",
                     cache="compile everything afresh (the 'first call' column is then the compile time)")
@@ -336,9 +336,9 @@ def _run_worker(config: DeviceConfig, cases: list[tuple[str, int]], repeat: int,
     env = process_env(cpu_devices=config.per_process if cpu else None)
     if cpu:
         env["JAX_PLATFORMS"] = "cpu"
-    if cache_dir is not None and not (cpu and config.devices > 1):
+    if cache_dir is not None:
         env.update(cache_env(cache_dir))
-    else:  # (on several CPU devices, executables read back from the cache may hang: shardax._compile_cache)
+    else:
         env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     argv = ["-m", "shardax.cli._bench_worker", plan]
     sink = _ProgressSink("mpirun" if mpi else config.label)

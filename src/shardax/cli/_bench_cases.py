@@ -527,11 +527,12 @@ def worker(plan_path: str) -> int:
     failing case is written as ``{"case", "kernel", "size", "error"}`` and the next one runs; on
     several processes the error ends the run instead (the other ranks would wait for it in a collective).
     """
+    from .._compile_cache import settle_compilation_cache
     from ..runtime import initialize
 
     with open(plan_path) as f:
         plan = json.load(f)
-    initialize(cpu_devices=plan["cpu_devices"])
+    settle_compilation_cache(initialize(cpu_devices=plan["cpu_devices"]))  # (shares first compilations across ranks)
     ctx = Context(plan["repeat"], plan.get("devices"))
     for case, size in plan["cases"]:
         try:

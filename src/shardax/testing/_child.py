@@ -1,8 +1,8 @@
 """One process of :func:`shardax.testing.run_distributed`: ``python -m shardax.testing._child SPEC``.
 
 Imports the test function's module by file path, joins the run with ``sx.initialize()``, calls the function and
-pickles its result (JAX arrays turned into NumPy) to ``result_<process_id>.pkl`` next to ``SPEC``. JAX's persistent
-compilation cache, when the environment turns it on, stays off for CPU runs of several devices
+pickles its result (JAX arrays turned into NumPy) to ``result_<process_id>.pkl`` next to ``SPEC``. When the
+environment turns JAX's persistent compilation cache on, the processes share their first compilations
 (:func:`shardax._compile_cache.settle_compilation_cache`).
 """
 

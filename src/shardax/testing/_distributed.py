@@ -132,9 +132,10 @@ def run_distributed(fn: Callable[..., Any], *args: Any, num_processes: int = 2, 
     ``fn(*args)`` and pickles the result (fully addressable JAX arrays become NumPy arrays). Keep module-level code
     of that file free of JAX computations: the backend must not start before ``sx.initialize()``.
 
-    Every process compiles its programs itself: on CPU, executables read back from JAX's persistent cache or
-    handed from another process may run their collectives out of order and hang (see
-    :mod:`shardax._compile_cache`), so the cache stays off there.
+    JAX's persistent compilation cache stays as the environment sets it. With it on, process 0 compiles each
+    program and hands it to the others, and on CPU a program of several devices with collectives that no data
+    dependency orders is compiled again by each process (read back, it could run them in different orders on
+    different devices and hang; see :mod:`shardax._compile_cache`).
 
     Args:
         fn: a module-level function; its return value must be picklable (use NumPy arrays).
