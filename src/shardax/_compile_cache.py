@@ -63,7 +63,8 @@ def cache_help() -> str:
 
 def _same_key_on_every_process() -> None:
     """Key CPU programs by their devices' kinds, ids and processes instead of the per-process topology fingerprint
-    (module docstring). Leaves JAX alone where its cache-key module does not look as expected, and on other platforms."""
+    (module docstring). Leaves JAX alone where its cache-key module does not look as expected, and on other
+    platforms."""
     try:
         from jax._src import cache_key
     except ImportError:  # pragma: no cover - another JAX layout: keep its keys
@@ -238,9 +239,9 @@ def settle_compilation_cache(world: Any) -> bool:
 
     The cache stays as configured (:func:`use_compilation_cache`). On a CPU run of several processes on one machine
     with the cache on, process 0 compiles each program and the others load its executable (JAX's
-    ``jax_share_binary_between_hosts``, module docstring). Where this JAX's internals could not be adapted (the keys the same on every process, loaded
-    programs checked for unordered collectives), CPU runs of several devices compile every program instead, with
-    the cache off.
+    ``jax_share_binary_between_hosts``, module docstring). Where this JAX's internals could not be adapted (the keys
+    the same on every process, loaded programs checked for unordered collectives), CPU runs of several devices
+    compile every program instead, with the cache off.
 
     Returns:
         Whether the cache is on.

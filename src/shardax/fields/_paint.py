@@ -49,16 +49,15 @@ class _Owned(NamedTuple):
     flags: jax.Array | None = None  # the global function's checks (``checks`` of :func:`_to_owners`)
 
 
-def _to_owners(part: Any, grid: Grid, capacity: int, extra: dict[str, jax.Array], deps: Any = (),
+def _to_owners(part: Any, grid: Grid, capacity: int, extra: dict[str, jax.Array],
                checks: Checks | None = None) -> _Owned:
     """Send every valid particle (with ``extra`` per-row leaves) to the device owning its lower grid point.
 
     The route is kept, so values computed there go back to the particles' rows (:func:`_send_back`) without sorting
     them again or exchanging counts. On one device (decided at trace time) the rows stay in place: no
-    destinations, counts or exchange. The collectives follow those that made ``deps``, and each follows the one
-    before it (the count exchange, the largest count received, ``checks(needed)``, the rounds): collectives that do
-    not depend on each other could run in different orders on different devices of a program read back from a
-    compilation cache.
+    destinations, counts or exchange. Each collective follows the one before it (the count exchange, the largest
+    count received, ``checks(needed)``, the rounds): collectives that do not depend on each other could run in
+    different orders on different devices of a program read back from a compilation cache.
     """
     n = row_count(part)
     valid = jnp.arange(n, dtype=jnp.int32) < part.num
@@ -73,7 +72,7 @@ def _to_owners(part: Any, grid: Grid, capacity: int, extra: dict[str, jax.Array]
     lower, _ = cell_index(tree["pos"], grid)
     # Grouped by a sort of one word per row: no histogram scatter-add (a GPU serialises adds onto a few addresses).
     perm, send_counts = comm.group_by_rank(jnp.where(valid, grid.owner(lower), size), size)
-    recv_counts, largest = exchange_counts_and_max(after(send_counts, deps), axes)
+    recv_counts, largest = exchange_counts_and_max(send_counts, axes)
     needed = comm.allreduce(jnp.sum(recv_counts).astype(jnp.int32), "max")
     flags, checked = (None, None) if checks is None else checks(needed)
     largest = after(largest, (needed, checked))  # (the rounds, whose number it sets, after those)
@@ -139,21 +138,17 @@ def fold_halo(padded: jax.Array, grid: Grid) -> jax.Array:
     return padded
 
 
-def extend_halo(block: jax.Array, grid: Grid) -> jax.Array:
-    """Append to every split axis the first plane of the next device (periodic): the high halo CIC reads."""
-    return _extended(block, grid)[0]
-
-
-def _extended(block: jax.Array, grid: Grid, deps: Any = ()) -> tuple[jax.Array, jax.Array]:
-    """:func:`extend_halo` with its collectives after those that made ``deps``, and the last plane received."""
-    received = jnp.zeros((), block.dtype)
+def extend_halo(block: jax.Array, grid: Grid, deps: Any = ()) -> jax.Array:
+    """Append to every split axis the first plane of the next device (periodic): the high halo CIC reads. Its
+    collectives follow those that made ``deps`` (collectives that do not depend on each other could run in different
+    orders on different devices of a program read back from a compilation cache)."""
     for dim, group in enumerate(grid.split):
         if not group:
             continue
         received = comm.shift(after(jax.lax.slice_in_dim(block, 0, 1, axis=dim), deps), -1, axis=group)
         deps = ()
         block = jnp.concatenate([block, received], axis=dim)
-    return block, received
+    return block
 
 
 def _padded_shape(grid: Grid) -> tuple[int, ...]:
@@ -355,7 +350,7 @@ def _readout(field: jax.Array, part: Any, box: Any, spec: Any, capacity: int | N
     grid = Grid.from_block(np.shape(field)[:3], spec, box, "local_readout")
     owned = _to_owners(part, grid, _capacity(capacity, part), {}, checks=checks)
     # The halo's collectives after the particles' exchange (the two do not depend on each other).
-    padded = _extended(jnp.asarray(field), grid, owned.rows["pos"])[0]
+    padded = extend_halo(jnp.asarray(field), grid, owned.rows["pos"])
     return _send_back(_interpolate(padded, owned, grid), owned, part), owned.needed, owned.flags
 
 
@@ -400,7 +395,7 @@ def local_paint_readout(part: Any, shape: Sequence[int], solve: Callable[[jax.Ar
         raise ValueError(f"local_paint_readout: solve must return this device's block {grid.block} of the fields "
                          f"(with optional trailing component axes), got shape {field.shape}")
     # (as in readout, so that the values are the same bits: the solve already follows the exchange)
-    padded = _extended(field, grid, owned.rows["pos"])[0]
+    padded = extend_halo(field, grid, owned.rows["pos"])
     return _send_back(_interpolate(padded, owned, grid), owned, part), owned.needed
 
 
