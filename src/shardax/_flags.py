@@ -60,7 +60,6 @@ def is_traced(words: Any) -> bool:
     return isinstance(words, Tracer)
 
 
-
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 

@@ -19,22 +19,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ._flags import _UNSIGNED, _to_words
+
 
 def _first_word(leaf: jax.Array) -> jax.Array:
     """The bits of ``leaf``'s first element as a non-negative int32 (0 for an empty array)."""
-    flat = jnp.ravel(leaf)
-    if flat.size == 0:
+    first = jnp.ravel(leaf)[:1]
+    if first.size == 0:
         return jnp.int32(0)
-    first = flat[0]
     if jnp.issubdtype(first.dtype, jnp.complexfloating):
         first = jnp.real(first)
-    if first.dtype == jnp.bool_:
-        return first.astype(jnp.int32)
-    width = first.dtype.itemsize
-    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[width]
-    bits = lax.bitcast_convert_type(first, unsigned)
-    bits = bits[0] if width == 8 else bits
-    return (bits.astype(jnp.uint32) & jnp.uint32(0x7FFFFFFF)).astype(jnp.int32)
+    return (_to_words(first)[0] & jnp.uint32(0x7FFFFFFF)).astype(jnp.int32)
 
 
 def _or_zero(leaf: jax.Array, zero: jax.Array) -> jax.Array:
@@ -43,11 +38,7 @@ def _or_zero(leaf: jax.Array, zero: jax.Array) -> jax.Array:
         return leaf | (zero != 0)
     if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
         return lax.complex(_or_zero(jnp.real(leaf), zero), _or_zero(jnp.imag(leaf), zero))
-    width = leaf.dtype.itemsize
-    if width == 8:
-        words = lax.bitcast_convert_type(leaf, jnp.uint32)
-        return lax.bitcast_convert_type(words | zero.astype(jnp.uint32), leaf.dtype)
-    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[width]
+    unsigned = jnp.uint32 if leaf.dtype.itemsize == 8 else _UNSIGNED[leaf.dtype.itemsize]  # (8 bytes: two words)
     bits = lax.bitcast_convert_type(leaf, unsigned) | zero.astype(unsigned)
     return lax.bitcast_convert_type(bits, leaf.dtype)
 
