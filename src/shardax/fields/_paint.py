@@ -463,6 +463,7 @@ def _paint_fn(mesh: Mesh, shape: tuple[int, ...], box: Any, spec: PartitionSpec,
     def body(rows: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         local = _local_part(rows)
         field, _, flags = _paint(local, shape, box, spec, capacity, checks=_checks(local))
+        assert flags is not None  # (given checks, there are flags)
         return field, flags
     return smap(body, in_specs=(PartitionSpec(ALL),), out_specs=(spec, PartitionSpec()), mesh=mesh, expand=False,
                 jit=True)
@@ -514,6 +515,7 @@ def _readout_fn(mesh: Mesh, box: Any, spec: PartitionSpec, capacity: int | None,
     def body(field: jax.Array, rows: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         local = _local_part(rows)
         values, _, flags = _readout(field, local, box, spec, capacity, checks=_checks(local))
+        assert flags is not None  # (given checks, there are flags)
         return values[None], flags
     return smap(body, in_specs=(spec, PartitionSpec(ALL)), out_specs=(PartitionSpec(ALL), PartitionSpec()), mesh=mesh,
                 expand=False, jit=True)
