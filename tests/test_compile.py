@@ -146,7 +146,11 @@ def test_smap_and_fft_compile_once_per_shapes_with_the_rule(monkeypatch: pytest.
     mesh = sx.flat_mesh()
     ndev = mesh.devices.size
 
+    traced_on: list[set[int]] = []
+
     def body(x: jax.Array) -> jax.Array:
+        if hasattr(os, "sched_getaffinity"):
+            traced_on.append(set(os.sched_getaffinity(0)))
         return sx.comm.allreduce(jnp.sum(jnp.sin(x) ** 2))
 
     f = sx.smap(body, in_specs=(P(sx.ALL),), out_specs=P(), mesh=mesh, jit=True)
@@ -154,6 +158,10 @@ def test_smap_and_fft_compile_once_per_shapes_with_the_rule(monkeypatch: pytest.
         x = np.linspace(0, 1, ndev * n, dtype=np.float32).reshape(ndev, n)
         np.testing.assert_allclose(float(f(jnp.asarray(x))), float(np.sum(np.sin(x) ** 2)), rtol=1e-4)
     assert calls == [ndev, ndev]  # the first call of each shape
+    # Traced with every CPU: only XLA's compilation is limited (pinned, the main threads of all processes on a
+    # machine would trace on one CPU).
+    if hasattr(os, "sched_getaffinity"):
+        assert len(traced_on) >= 2 and all(cpus == set(os.sched_getaffinity(0)) for cpus in traced_on), traced_on
     g = sx.smap(body, in_specs=(P(sx.ALL),), out_specs=P(), mesh=mesh)  # not jitted: nothing compiled ahead
     g(jnp.ones((ndev, 10), jnp.float32))
     assert calls == [ndev, ndev]

@@ -184,8 +184,10 @@ def compile_for_devices(jitted: Any, args: Sequence[Any], devices: Iterable[Any]
     count = split_cpus(list(devices))
     if count is None:
         return False
+    # Traced and lowered with every CPU: pinned, the main threads of all processes on a machine would share one.
+    lowered = jitted.lower(*args)
     with limited_cpus(count):
-        jitted.lower(*args).compile()
+        lowered.compile()
     return True
 
 
