@@ -85,6 +85,37 @@ def test_restart_with_malloc_env_once_and_not_when_opted_out(tmp_path):
     assert out.returncode == 2 and "SHARDAX_MALLOC must be 'tuned'" in out.stderr, out.stderr[-2000:]
 
 
+# Records every Python process that starts (its allocator setting, and whether a launcher started it); the launched
+# processes stop there.
+_RECORD = """
+import json, os
+with open(os.environ["SHARDAX_TEST_RECORD"], "a") as f:
+    f.write(json.dumps([os.environ.get("MALLOC_ARENA_MAX"), "SHARDAX_NUM_PROCESSES" in os.environ]) + "\\n")
+if "SHARDAX_NUM_PROCESSES" in os.environ:
+    os._exit(0)
+"""
+
+
+@glibc
+def test_the_command_restarts_only_a_process_that_computes(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(_RECORD)
+    record = tmp_path / "started.jsonl"
+    env = _clean_env(SHARDAX_TEST_RECORD=str(record), PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    script = "import sys; from shardax.cli import main; sys.argv[0] = 'shardax'; sys.exit(main())"
+
+    def started(*args: str) -> list[list]:
+        record.unlink(missing_ok=True)
+        out = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return [json.loads(line) for line in record.read_text().splitlines()]
+
+    # Launching: the command starts its processes with the settings and does not start itself again.
+    assert started("halos", "--particles", "100", "--processes", "2", "--no-cache",
+                   "--out", str(tmp_path / "out")) == [[None, False], ["1", True], ["1", True]]
+    assert started("nbody", "--help") == [[None, False]]
+
+
 def _faults(**extra: str) -> dict:
     out = subprocess.run([sys.executable, "-c", _FAULTS], env=_clean_env(**extra), capture_output=True, text=True,
                          timeout=300)

@@ -19,7 +19,7 @@ from .._compile_cache import use_compilation_cache
 from ..runtime import ConsoleSink, Stream, launch
 from ..runtime import detect_launch as detect
 from ._demo_table import REPORT_NAME, Report, exit_code, print_report, read_report
-from ._options import add_run_options, add_world_options, job_parser
+from ._options import add_run_options, add_world_options, computing_here, job_parser
 
 DEFAULT_PROCESSES = 2
 DEFAULT_CPU_DEVICES = 4
@@ -106,6 +106,7 @@ def run_cli(argv: Sequence[str]) -> int:
     if launched.source != "single":
         # Already one process of a run: the world is the launcher's (--processes does not apply).
         _check(parser, ns, None)
+        computing_here(parser)
         ns.cpu_devices = ns.cpu_devices or launched.cpu_devices
         from ._demo_body import run_demo
 

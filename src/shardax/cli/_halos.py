@@ -17,7 +17,7 @@ import numpy as np
 
 from .._compile_cache import settle_compilation_cache, use_compilation_cache
 from ..runtime import ENV_NUM_PROCESSES
-from ._options import add_run_options, add_world_options, job_parser
+from ._options import add_run_options, add_world_options, computing_here, job_parser
 from ._progress import Progress
 
 CATALOGUE = "fof_tab_000.hdf5"
@@ -83,6 +83,7 @@ def run_cli(argv: Sequence[str]) -> int:
 
         return launch(["-m", "shardax.cli", "halos", *_forward(ns)], num_processes=ns.processes,
                       cpu_devices=ns.cpu_devices, timeout_s=ns.timeout).returncode
+    computing_here(parser)
     try:
         return halos(ns)
     except (ValueError, OSError) as err:

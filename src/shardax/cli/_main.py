@@ -8,13 +8,13 @@ import sys
 from collections.abc import Callable, Sequence
 
 from .._version import __version__
-from ..runtime import restart_with_malloc_env
 from ._bench import run_cli as _bench_cli
 from ._demo import run_cli as _demo_cli
 from ._doctor import run_cli as _doctor_cli
 from ._halos import run_cli as _halos_cli
 from ._launch import run_cli as _launch_cli
 from ._nbody import run_cli as _nbody_cli
+from ._options import set_restart
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,16 +61,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Commands that compute in their own process (the others start processes or only check).
-_COMPUTING = ("halos", "demo", "nbody")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``shardax`` console script.
 
-    Run as the console script (``argv`` left ``None``), ``halos``, ``demo`` and ``nbody`` compute in this process:
-    it restarts once with glibc's allocator set up for XLA:CPU (:func:`shardax.runtime.malloc_env`;
-    ``SHARDAX_MALLOC=system`` keeps the defaults).
+    Run as the console script (``argv`` left ``None``), a job (``halos``, ``demo``, ``nbody``) about to compute in
+    this process restarts it once with glibc's allocator set up for XLA:CPU (:func:`shardax.runtime.malloc_env`;
+    ``SHARDAX_MALLOC=system`` keeps the defaults); one that starts processes (``--processes``) starts them so.
 
     Args:
         argv: the arguments after the program name (default: ``sys.argv[1:]``).
@@ -92,9 +88,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = SUBCOMMANDS.get(name)
     if command is None:
         parser.error(f"unknown command {name!r}; choose from {', '.join(SUBCOMMANDS)}")
-    if argv is None and name in _COMPUTING and not {"-h", "--help"} & set(rest):
-        try:
-            restart_with_malloc_env(["-m", "shardax.cli", *args])
-        except ValueError as err:  # a bad SHARDAX_MALLOC
-            parser.error(str(err))
+    set_restart(["-m", "shardax.cli", *args] if argv is None else None)
     return command.run(rest)

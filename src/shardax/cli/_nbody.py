@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from .._compile_cache import settle_compilation_cache, use_compilation_cache
 from ..runtime import detect_launch as detect
 from ._nbody_progress import ProgressPrinter, ProgressSink
-from ._options import add_run_options, add_world_options, job_parser
+from ._options import add_run_options, add_world_options, computing_here, job_parser
 
 DEFAULT_PROCESSES = 2
 DEFAULT_CPU_DEVICES = 4
@@ -114,11 +114,14 @@ def run_cli(argv: Sequence[str]) -> int:
     if launched.source != "single":
         # One process of a run that a launcher started: the world is the launcher's (--processes does not apply).
         check_options(parser, ns, None)
+        computing_here(parser)
         use_compilation_cache(not ns.no_cache)
         return _run_here(ns, cpu_devices=None)
     processes = ns.processes or DEFAULT_PROCESSES
     ns.cpu_devices = ns.cpu_devices or DEFAULT_CPU_DEVICES
     check_options(parser, ns, processes * ns.cpu_devices)
+    if processes == 1:
+        computing_here(parser)
     use_compilation_cache(not ns.no_cache)
     if processes == 1:
         return _run_here(ns, cpu_devices=ns.cpu_devices)

@@ -17,6 +17,30 @@ from .._compile_cache import cache_help
 
 # Where the job's own processes come from, for the help of --processes.
 _LAUNCHED = "local processes, started by `shardax launch`"
+# How to start this process again (``python -m shardax.cli ...``), when it was started as the ``shardax`` console
+# script; set by ``shardax.cli.main``.
+_restart: list[str] | None = None
+
+
+def set_restart(argv: list[str] | None) -> None:
+    """Remember how :func:`computing_here` may restart this process (``None``: it may not)."""
+    global _restart
+    _restart = argv
+
+
+def computing_here(parser: argparse.ArgumentParser) -> None:
+    """Called by a job right before it computes in this process: when the process is the ``shardax`` console script,
+    it restarts once with glibc's allocator set up for XLA:CPU (:func:`shardax.runtime.restart_with_malloc_env`;
+    ``SHARDAX_MALLOC=system`` keeps the defaults). A job that only starts processes does not call it: they start
+    with those settings, and this process is spared a second start."""
+    from ..runtime import restart_with_malloc_env
+
+    if _restart is None:
+        return
+    try:
+        restart_with_malloc_env(_restart)
+    except ValueError as err:  # a bad SHARDAX_MALLOC
+        parser.error(str(err))
 
 
 def positive_int(text: str) -> int:
