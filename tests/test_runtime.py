@@ -137,6 +137,37 @@ def test_import_changes_no_config_and_starts_no_backend():
     assert out.stdout.strip() == "OK", out.stdout + out.stderr
 
 
+def test_a_process_waits_for_the_coordinator_to_listen_before_it_joins():
+    # (JAX's client, refused by a coordinator not yet listening, would wait a whole second before asking again.)
+    import socket
+    import threading
+    import time
+
+    from shardax.runtime._initialize import _await_coordinator
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert 0.1 <= _await_coordinator(f"127.0.0.1:{port}", 0.1) < 1.0  # nobody listens: gives up after the timeout
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+    def listen_later() -> None:
+        time.sleep(0.3)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+
+    thread = threading.Thread(target=listen_later)
+    thread.start()
+    try:
+        waited = _await_coordinator(f"127.0.0.1:{port}", 30.0)
+    finally:
+        thread.join()
+        server.close()
+    assert 0.25 <= waited < 2.0  # joined within a few milliseconds of the port opening, not after a backoff
+    assert _await_coordinator("no-port-here", 30.0) == 0.0
+
+
 def test_initialize_cpu_devices_in_fresh_process():
     code = "import shardax as sx; w = sx.initialize(cpu_devices=3); print(w.local_device_count, w.mode)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 import threading
+import time
 
 import jax
 from jax._src import config as jax_config
@@ -24,6 +25,30 @@ _started: LaunchInfo | None = None
 
 def _backend_started() -> bool:
     return xla_bridge.backends_are_initialized()
+
+
+def _await_coordinator(address: str, timeout_s: float) -> float:
+    """Wait until the coordinator's port (``host:port``, process 0's coordination service) accepts connections, at
+    most ``timeout_s``; returns the seconds waited.
+
+    A process whose JAX client asks before the service listens is refused, and gRPC then waits its first reconnect
+    backoff, a whole second, before asking again: half of all launches on one machine took a second longer to
+    start. Polling the port every few milliseconds first costs nothing when the service is up.
+    """
+    host, _, port = address.rpartition(":")
+    start = time.monotonic()
+    try:
+        target = (host.strip("[]") or "127.0.0.1", int(port))
+    except ValueError:
+        return 0.0  # not host:port: leave it to JAX
+    while True:
+        try:
+            with socket.create_connection(target, timeout=1.0):
+                return time.monotonic() - start
+        except OSError:
+            if time.monotonic() - start >= timeout_s:
+                return time.monotonic() - start
+            time.sleep(0.005)
 
 
 def _set_cpu_devices(count: int) -> None:
@@ -195,11 +220,14 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 raise DistributedSetupError(
                     "the JAX backend already started in this process, so it cannot join a run of "
                     f"{info.num_processes} processes: call sx.initialize() first, before any other JAX call")
+            left = timeout_s
+            if info.process_id != 0 and info.coordinator_address is not None:
+                left -= _await_coordinator(info.coordinator_address, timeout_s)
             try:
                 heartbeat = os.environ.get("SHARDAX_HEARTBEAT_S")
                 jax.distributed.initialize(info.coordinator_address, info.num_processes, info.process_id,
                                            local_device_ids=local_device_ids,
-                                           initialization_timeout=int(timeout_s),
+                                           initialization_timeout=max(1, int(left)),
                                            heartbeat_timeout_seconds=int(heartbeat) if heartbeat else 100)
             except Exception as err:  # jaxlib raises XlaRuntimeError/RuntimeError with the cause in the text
                 raise DistributedSetupError(
