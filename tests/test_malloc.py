@@ -44,6 +44,10 @@ def test_malloc_env_defaults_and_opt_outs():
     assert malloc_env({"SHARDAX_MALLOC": "system"}) == {}
     # A user's own glibc settings win: none of ours is added next to them.
     assert malloc_env({"MALLOC_ARENA_MAX": "4"}) == {}
+    assert malloc_env({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}) == {}  # an allocator tunable of yours
+    # Other tunables of yours stay, ahead of the allocator's.
+    assert malloc_env({"GLIBC_TUNABLES": "glibc.cpu.x86_shstk=off"})["GLIBC_TUNABLES"] == \
+        "glibc.cpu.x86_shstk=off:glibc.malloc.tcache_count=32"
     with pytest.raises(ValueError, match="SHARDAX_MALLOC must be 'tuned'"):
         malloc_env({"SHARDAX_MALLOC": "jemalloc"})
 

@@ -16,7 +16,15 @@ blocks are then mapped afresh on every call again. So shardax sets the environme
 ``shardax bench``'s workers, the ``shardax halos`` and ``shardax demo`` commands (which restart themselves once with
 it) and the scripts in ``benchmarks/``. ``SHARDAX_MALLOC=system``, or any of glibc's ``MALLOC_*`` variables of
 your own, keeps your settings. For your own runs: ``env MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0
-MALLOC_TRIM_THRESHOLD_=1099511627776 python script.py`` (``mpirun -x ...`` or ``srun --export=ALL,...`` likewise).
+MALLOC_TRIM_THRESHOLD_=1099511627776 GLIBC_TUNABLES=glibc.malloc.tcache_count=32 python script.py`` (``mpirun -x
+...`` or ``srun --export=ALL,...`` likewise).
+
+One arena makes every thread take the same lock for every ``malloc`` and ``free``, and XLA's compiler allocates
+small objects by the million on several threads: FoF's 8-device program compiled in 6.7-7.2 s with one arena against
+4.4-4.6 s with glibc's defaults. Each thread's cache of freed small blocks (glibc's tcache, 7 blocks per size by
+default) spares it the lock; 32 per size (at most about 1 MB per thread) brings that compilation to 6.1-6.6 s, with
+the same resident memory and run time. (Much larger caches hold blocks that one thread freed and others allocate:
+with 8,000 per size the resident memory of a FoF loop on 8 devices grew by 300 MB per call.)
 """
 
 from __future__ import annotations
@@ -32,7 +40,9 @@ MALLOC_ENV: dict[str, str] = {
     "MALLOC_ARENA_MAX": "1",  # one arena: XLA's device threads free into (and reuse) one heap
     "MALLOC_MMAP_MAX_": "0",  # large blocks from the heap, not from mmap (no munmap on free)
     "MALLOC_TRIM_THRESHOLD_": str(2**40),  # never give the top of the heap back
+    "GLIBC_TUNABLES": "glibc.malloc.tcache_count=32",  # each thread's freed small blocks spare it the arena's lock
 }
+_TUNABLES = "GLIBC_TUNABLES"
 #: ``SHARDAX_MALLOC=system`` keeps glibc's defaults in every process shardax starts.
 ENV = "SHARDAX_MALLOC"
 
@@ -45,8 +55,10 @@ def _glibc() -> bool:  # (libc_ver reads the interpreter's binary)
 def malloc_env(env: Mapping[str, str]) -> dict[str, str]:
     """The variables to add to ``env`` (a new process's environment) so that glibc starts set up for XLA:CPU.
 
-    Empty when ``env`` has ``SHARDAX_MALLOC=system`` or sets one of glibc's ``MALLOC_*`` variables itself (the
-    user's choice wins), and off glibc (macOS, musl). ``ValueError`` for another value of ``SHARDAX_MALLOC``.
+    Empty when ``env`` has ``SHARDAX_MALLOC=system`` or sets one of glibc's ``MALLOC_*`` variables or a
+    ``glibc.malloc`` tunable itself (the user's choice wins), and off glibc (macOS, musl). Other tunables the
+    environment has in ``GLIBC_TUNABLES`` are kept, ahead of the allocator's. ``ValueError`` for another value of
+    ``SHARDAX_MALLOC``.
 
     Example:
         >>> malloc_env({})["MALLOC_ARENA_MAX"]  # on glibc  # doctest: +SKIP
@@ -57,9 +69,14 @@ def malloc_env(env: Mapping[str, str]) -> dict[str, str]:
     value = env.get(ENV, "").strip().lower()
     if value not in ("", "tuned", "system"):
         raise ValueError(f"{ENV} must be 'tuned' (the default) or 'system' (glibc's defaults), got {env.get(ENV)!r}")
-    if value == "system" or any(name in env for name in MALLOC_ENV) or not _glibc():
+    theirs = env.get(_TUNABLES, "")
+    if value == "system" or any(name in env for name in MALLOC_ENV if name != _TUNABLES) or \
+            "glibc.malloc." in theirs or not _glibc():
         return {}
-    return dict(MALLOC_ENV)
+    extra = dict(MALLOC_ENV)
+    if theirs:
+        extra[_TUNABLES] = f"{theirs}:{extra[_TUNABLES]}"
+    return extra
 
 
 def restart_with_malloc_env(argv: Sequence[str]) -> None:
