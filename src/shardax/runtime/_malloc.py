@@ -13,9 +13,9 @@ glibc reads these settings when a process starts. ``mallopt`` later is not enoug
 (NumPy's BLAS thread does at import) leaves a second arena, and the round-robin hands it to XLA's threads, whose large
 blocks are then mapped afresh on every call again. So shardax sets the environment of the processes it starts:
 ``shardax launch`` and :func:`shardax.testing.launch_script`/``run_distributed`` (also through ``mpirun``),
-``shardax bench``'s workers, the ``shardax halos`` and ``shardax demo`` commands (which restart themselves once with
-it) and the scripts in ``benchmarks/``. ``SHARDAX_MALLOC=system``, or any of glibc's ``MALLOC_*`` variables of
-your own, keeps your settings. For your own runs: ``env MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0
+``shardax bench``'s workers, the ``shardax halos``, ``nbody`` and ``demo`` commands (which restart themselves once
+with it when they compute in their own process) and the scripts in ``benchmarks/``. ``SHARDAX_MALLOC=system``, or
+any of glibc's ``MALLOC_*`` variables or a ``glibc.malloc`` tunable of your own, keeps your settings. For your own runs: ``env MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0
 MALLOC_TRIM_THRESHOLD_=1099511627776 GLIBC_TUNABLES=glibc.malloc.tcache_count=32 python script.py`` (``mpirun -x
 ...`` or ``srun --export=ALL,...`` likewise).
 
