@@ -120,10 +120,9 @@ def run_cli(argv: Sequence[str]) -> int:
     processes = ns.processes or DEFAULT_PROCESSES
     ns.cpu_devices = ns.cpu_devices or DEFAULT_CPU_DEVICES
     check_options(parser, ns, processes * ns.cpu_devices)
-    if processes == 1:
-        computing_here(parser)
     use_compilation_cache(not ns.no_cache)
     if processes == 1:
+        computing_here(parser)
         return _run_here(ns, cpu_devices=ns.cpu_devices)
     from ..runtime import launch
 

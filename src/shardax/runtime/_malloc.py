@@ -15,9 +15,10 @@ blocks are then mapped afresh on every call again. So shardax sets the environme
 ``shardax launch`` and :func:`shardax.testing.launch_script`/``run_distributed`` (also through ``mpirun``),
 ``shardax bench``'s workers, the ``shardax halos``, ``nbody`` and ``demo`` commands (which restart themselves once
 with it when they compute in their own process) and the scripts in ``benchmarks/``. ``SHARDAX_MALLOC=system``, or
-any of glibc's ``MALLOC_*`` variables or a ``glibc.malloc`` tunable of your own, keeps your settings. For your own runs: ``env MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0
-MALLOC_TRIM_THRESHOLD_=1099511627776 GLIBC_TUNABLES=glibc.malloc.tcache_count=32 python script.py`` (``mpirun -x
-...`` or ``srun --export=ALL,...`` likewise).
+any of glibc's ``MALLOC_*`` variables or a ``glibc.malloc`` tunable of your own, keeps your settings. For your own
+runs: ``env MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776
+GLIBC_TUNABLES=glibc.malloc.tcache_count=32 python script.py`` (``mpirun -x ...`` or ``srun --export=ALL,...``
+likewise).
 
 One arena makes every thread take the same lock for every ``malloc`` and ``free``, and XLA's compiler allocates
 small objects by the million on several threads: FoF's 8-device program compiled in 6.7-7.2 s with one arena against
