@@ -11,7 +11,8 @@ grow like the surface of a device's piece (``N**(2/3)``), not like its volume.
     python benchmarks/fof.py --n 1000000 --repeat 3 --data clustered --b 0.2
 
 ``--tuning`` picks the FofTuning preset (default: the backend's); the sequential loop steps of the 1-device call
-(``fof_steps``: link search, component passes, hooking and pointer-jumping steps) are printed with each row.
+(``fof_steps``: link search, component passes, hooking and pointer-jumping steps) and its compiled temporaries per
+particle (XLA's memory analysis: the buffers beyond its inputs and outputs) are printed with each row.
 
 Medians of ``--repeat`` timed calls after one warm-up (compilation) call; the 1-device and 8-device calls are timed
 round-robin, so that their ratio is measured under one load; the 2x4 launch is a separate run, which times the
@@ -115,6 +116,18 @@ def step_counts(pos: np.ndarray, linking_length: float, tuning: str | None = Non
     return {name: count for name, count in steps.items() if count}
 
 
+def temporaries(pos: np.ndarray, linking_length: float, tuning: str | None = None) -> float | None:
+    """XLA's temporaries of the compiled 1-device call (buffers beyond its inputs and outputs), bytes per point."""
+    import jax
+    import jax.numpy as jnp
+
+    from shardax.spatial._fof import fof
+
+    fn = jax.jit(lambda p: fof(p, linking_length, box=1.0, min_members=2, tuning=tuning))
+    stats = fn.lower(jnp.asarray(pos)).compile().memory_analysis()
+    return None if stats is None else stats.temp_size_in_bytes / len(pos)
+
+
 def worker(n: int, repeat: int, bs: list[float], tuning: str | None = None, data: str = "uniform") -> dict:
     """Timings on all devices of this run (used on its own by the multi-process launch), round-robin with the
     1-device call on process 0 (the other processes wait at a barrier meanwhile, see ``time_lead_rounds``): the ratio
@@ -203,16 +216,19 @@ def main() -> None:
             case[f"ghost rows/dev {ns.processes}x4"] = mp["ghost_rows"]
         steps = step_counts(pos, ll, ns.tuning)
         case["steps"] = steps
+        temp = temporaries(pos, ll, ns.tuning)
+        case["temp_bytes"] = temp
         results["cases"][f"b={b}"] = case
         single = case["shardax 1 dev"]
-        timed = {k: v for k, v in case.items() if k != "steps"}
+        timed = {k: v for k, v in case.items() if k not in ("steps", "temp_bytes")}
         print(f"b={b}: " + ", ".join(f"{k} {v:.3f}{'' if 'ghost' in k else ' s'}" for k, v in timed.items())
               + f" | 1 dev / scipy = {single / case['scipy']:.2f}x, 8 dev / 1 dev = "
               f"{case['shardax 8 dev'] / single:.2f}x"
               + (f", {ns.processes}x4 / 1 dev of its launch = "
                  f"{case[f'shardax {ns.processes}x4'] / case[f'shardax 1 dev, {ns.processes}x4 launch']:.2f}x"
                  if ns.processes else "")
-              + f" | 1-device loop steps: {steps}", flush=True)
+              + f" | 1-device loop steps: {steps}"
+              + ("" if temp is None else f", temporaries {temp:.0f} B per point"), flush=True)
     # Surface scaling of the exchange: ghost rows per device at n / 8 and n, on 8 devices.
     small = max(ns.n // 8, 1000)
     pos_small = points(small, ns.data, 1)

@@ -6,6 +6,7 @@ the SciPy references used here.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -122,6 +123,23 @@ def test_gpu_preset_steps_at_a_million() -> None:
     assert steps["links"] <= 16, steps
     assert steps["sort"] == 0 and steps["hooks"] == steps["sweeps"] <= 4 and steps["jumps"] <= 8, steps
     np.testing.assert_array_equal(np.asarray(res.labels), reference.fof_labels(pos, ll, box=1.0, min_members=2))
+
+
+def test_gpu_preset_memory_per_particle() -> None:
+    """The GPU preset's compiled temporaries, read from XLA's memory analysis (the device's memory per particle
+    beyond the positions and labels bounds how many particles a GPU holds): 1e6 uniform points, b = 0.2, compiled
+    with XLA's defaults. The catalogue sums run over its rows (not one per particle), the edge list holds 3 pairs
+    per point, the candidate runs of a step are read a row of cells at a time, and the buffers of the labels wait
+    for the components: 143 bytes per particle, 268 before them."""
+    from conftest import USER_COMPILER_OPTIONS
+
+    n = 1_000_000
+    pos = jnp.asarray(np.random.default_rng(0).random((n, 3)).astype(np.float32))
+    fn = jax.jit(lambda p: fof(p, 0.2 / n ** (1 / 3), box=1.0, min_members=20, tuning="gpu"))
+    stats = fn.lower(pos).compile(compiler_options=USER_COMPILER_OPTIONS).memory_analysis()
+    assert stats is not None
+    per_particle = stats.temp_size_in_bytes / n
+    assert per_particle <= 160, f"{per_particle:.0f} bytes of temporaries per particle"
 
 
 def test_open_2d() -> None:

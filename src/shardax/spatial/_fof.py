@@ -29,6 +29,7 @@ from .._bounds import check_local
 from .._eager import is_concrete, run_compiled
 from .._exchange import share_chunk
 from .._morton import box_vector
+from .._order import after
 from .._pytree import check_positions, particle_set
 from .._zorder import bucket_sort
 from ..core import rank_info
@@ -187,7 +188,8 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
         min_members: smallest group that gets a label and a catalogue row.
         max_groups: catalogue rows per device (static); default ``(m + halo_capacity) // min_members + 16``, ``m``
             the rows after the sort (``sort_capacity``).
-        edge_capacity: pairs per device the linking may hold (static); default ``8 (m + halo_capacity) + 4096``.
+        edge_capacity: pairs per device the linking may hold (static); default ``e (m + halo_capacity) + 4096``
+            with ``e`` the tuning's ``edges_per_row`` (8 in the CPU preset, 3 in the GPU one).
         halo_capacity: boundary particles per device sent and received (static, ignored on one device);
             default ``max(n // 4, 1024)``.
         sort_capacity: rows per device after the spatial sort (static, ignored on one device); default ``n``. The
@@ -250,14 +252,15 @@ def _one_device_of(arrays: tuple[_Rows, jax.Array, jax.Array | None], options: _
 # ---- steps both paths share ----------------------------------------------------------------------------------------
 
 
-def device_buffers(requested: Buffers, *, n: int, devices: int, min_members: int) -> Buffers:
+def device_buffers(requested: Buffers, *, n: int, devices: int, min_members: int, tuning: Tuning) -> Buffers:
     """The buffer sizes of a device of ``n`` rows among ``devices``, the defaults of those ``requested`` as None
     resolved (on one device no rows travel: the rows are the particles' and there are no ghosts)."""
     if devices == 1:
         rows, ghosts = n, 0
     else:
         rows, ghosts = requested.sort_capacity or n, requested.halo_capacity or max(n // 4, 1024)
-    return Buffers(edge_capacity=requested.edge_capacity or 8 * (rows + ghosts) + 4096, halo_capacity=ghosts,
+    edges = requested.edge_capacity or int(tuning.edges_per_row * (rows + ghosts)) + 4096
+    return Buffers(edge_capacity=edges, halo_capacity=ghosts,
                    max_groups=requested.max_groups or (rows + ghosts) // min_members + 16, sort_capacity=rows)
 
 
@@ -281,8 +284,10 @@ def _link(pos: jax.Array, valid: jax.Array, ids: jax.Array, *, space: LinkSpace,
     points = sort_points(pos, valid, space, grid, table_cells, tuning.rank_rounds, grid_pos)
     links = find_links(points, count, ll, space, grid, edge_capacity=edge_capacity, tuning=tuning)
     root, (sweeps, hooks, jumps) = components(links, rows, step_sizes(tuning, rows)[1])
-    component = jnp.zeros((rows,), jnp.int32).at[points.rows].set(points.rows[root])
-    labels = segment_min_labels(jnp.where(valid, ids, INT_MAX), component)
+    # Made once the components are known (``after``): XLA would otherwise hold them through the search.
+    zeros, own_ids = after((jnp.zeros((rows,), jnp.int32), jnp.where(valid, ids, INT_MAX)), root)
+    component = zeros.at[points.rows].set(points.rows[root])
+    labels = segment_min_labels(own_ids, component)
     steps = Steps(points.rounds, links.steps, sweeps, hooks, jumps, jnp.int32(0), jnp.int32(0))
     return _Linked(component, labels, links.num_edges, steps)
 
@@ -319,11 +324,19 @@ def _wrap_into_box(pos: jax.Array, box: jax.Array | None) -> jax.Array:
     return pos if box is None else pos - box[None, :] * jnp.floor(pos / box[None, :])
 
 
+def _group_numbers(root: jax.Array, component: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """Each row's group number `(n,)` (groups numbered ``0, 1, ...`` in the order of their ``root (n,)`` rows;
+    ``capacity`` for rows whose group is not numbered or lies past ``capacity``) and the number of groups."""
+    number = jnp.cumsum(root, dtype=jnp.int32) - 1
+    group = number[component]
+    return jnp.where(root[component] & (group < capacity), group, capacity), jnp.sum(root, dtype=jnp.int32)
+
+
 def _one_device(problem: _Problem) -> tuple[FofResult, Steps]:
     """FoF of the particles of one device: link them (in the box, wrapped), label, summarise the groups."""
     rows, box, min_members = problem.rows, problem.box, problem.min_members
     n = rows.pos.shape[0]
-    buffers = device_buffers(problem.requested, n=n, devices=1, min_members=min_members)
+    buffers = device_buffers(problem.requested, n=n, devices=1, min_members=min_members, tuning=problem.tuning)
     pos = _wrap_into_box(rows.pos, box)
     index = jnp.arange(n, dtype=jnp.int32)
     valid = index < rows.num
@@ -335,8 +348,14 @@ def _one_device(problem: _Problem) -> tuple[FofResult, Steps]:
     # nearly all) the other rows are dropped from the sums' eight scatters instead of each adding to its own group.
     size = jax.ops.segment_sum(valid.astype(jnp.int32), jnp.where(valid, linked.component, n), n)
     member = valid & (size[linked.component] >= min_members)
-    parts = partial_sums(pos, mass, vel, linked.component, member, n, box)
-    catalogue, groups_needed = finish(parts, linked.labels, parts.count >= min_members, buffers.max_groups, box)
+    # The groups kept are numbered in the order of their root rows, so the sums have a row per catalogue row, not
+    # one per particle (the same rows in the same order: the same sums); groups past the catalogue are dropped.
+    root = member & (linked.component == index)
+    groups, groups_needed = _group_numbers(root, linked.component, buffers.max_groups)
+    parts = partial_sums(pos, mass, vel, groups, member & (groups < buffers.max_groups), buffers.max_groups, box)
+    label = jnp.full((buffers.max_groups,), -1, jnp.int32).at[jnp.where(root, groups, buffers.max_groups)].set(
+        linked.labels, mode="drop")
+    catalogue, _ = finish(parts, label, jnp.arange(buffers.max_groups) < groups_needed, buffers.max_groups, box)
     labels = _members(linked.labels, member)
     needed = Buffers(edge_capacity=linked.num_edges, halo_capacity=jnp.int32(0), max_groups=groups_needed,
                      sort_capacity=rows.num)
@@ -460,7 +479,8 @@ def _several_devices(problem: _Problem, *, rank: Any, size: int) -> tuple[FofRes
     """FoF across ``size`` devices: sort into pieces of space, add ghosts, link, merge labels across devices, sum
     the groups, send the labels home."""
     n = problem.rows.pos.shape[0]
-    buffers = device_buffers(problem.requested, n=n, devices=size, min_members=problem.min_members)
+    buffers = device_buffers(problem.requested, n=n, devices=size, min_members=problem.min_members,
+                             tuning=problem.tuning)
     m, hc = buffers.sort_capacity, buffers.halo_capacity
     piece = _sort_into_pieces(problem, capacity=m)
     local = _add_ghosts(piece, problem, rank=rank, size=size, capacity=hc)

@@ -38,6 +38,7 @@ import numpy as np
 from jax import lax
 
 from .._nonzero import true_positions
+from .._order import after
 from .._wordsort import argsort_words
 from ..core import vary_like
 from ._fof_tuning import DEFAULT_TUNING, Tuning, step_sizes
@@ -99,17 +100,25 @@ def piece_space(pos: jax.Array, valid: jax.Array, box: jax.Array, linking_length
 
 
 class SortedPoints(NamedTuple):
-    """Valid points sorted by cell key (padding last): keys `(n,)` (``table_cells`` for padding), original rows
-    `(n,)`, positions `(n, d)`, cell coordinates `(n, d)`, ``starts (table_cells + 1,)``: the first sorted row
-    of each cell key (the number of valid points for keys past the last point), and ``rounds``: the counting
-    sort's rounds (0 when sorted by comparison)."""
+    """Valid points sorted by cell key (padding last): keys `(n,)` (``table_cells`` for padding; the cell
+    coordinates are read back from them, :func:`key_coords`), original rows `(n,)`, positions `(n, d)`,
+    ``starts (table_cells + 1,)``: the first sorted row of each cell key (the number of valid points for keys past
+    the last point), and ``rounds``: the counting sort's rounds (0 when sorted by comparison)."""
 
     keys: jax.Array
     rows: jax.Array
     pos: jax.Array
-    coords: jax.Array
     starts: jax.Array
     rounds: jax.Array
+
+
+def key_coords(keys: jax.Array, grid: Grid) -> jax.Array:
+    """Cell coordinates `(k, d)` of row-major cell keys `(k,)`, the inverse of
+    :func:`~shardax.spatial._grid.cell_keys` (a padding key past the grid gets coordinates inside it)."""
+    dim = grid.cells.shape[0]
+    axes = [(keys // grid.stride[axis]) % grid.cells[axis] for axis in range(dim - 1)]
+    axes.append(jnp.minimum(keys // grid.stride[dim - 1], grid.cells[dim - 1] - 1))
+    return jnp.stack(axes, axis=-1)
 
 
 def link_grid(space: LinkSpace, num: jax.Array, linking_length: jax.Array, per_cell: float, max_cells: int,
@@ -203,7 +212,7 @@ def sort_points(pos: jax.Array, valid: jax.Array, space: LinkSpace, grid: Grid, 
         rows = comparison()
         sorted_keys = keys[rows]
         starts = _starts_of_sorted(sorted_keys, table_cells, jnp.sum(valid, dtype=jnp.int32))
-        return SortedPoints(sorted_keys, rows, pos[rows], coords[rows], starts, jnp.int32(0))
+        return SortedPoints(sorted_keys, rows, pos[rows], starts, jnp.int32(0))
 
     # Padding rows are not counted (their key's count is never read): no scatter onto one address.
     counts = jnp.zeros((table_cells + 1,), jnp.int32).at[jnp.where(valid, keys, table_cells + 1)].add(1, mode="drop")
@@ -241,7 +250,7 @@ def sort_points(pos: jax.Array, valid: jax.Array, space: LinkSpace, grid: Grid, 
         return jnp.zeros((n,), jnp.int32).at[at].set(idx)
 
     rows = lax.cond(fallback, comparison, counting)
-    return SortedPoints(keys[rows], rows, pos[rows], coords[rows], starts, dealt.round - 1)
+    return SortedPoints(keys[rows], rows, pos[rows], starts, dealt.round - 1)
 
 
 def dist2(a: jax.Array, b: jax.Array, box: jax.Array | None) -> jax.Array:
@@ -266,9 +275,22 @@ def _forward_rows(dim: int) -> list[tuple[int, ...]]:
 
 
 def _runs(coords: jax.Array, idx: jax.Array, num: jax.Array, starts: jax.Array, grid: Grid,
-          space: LinkSpace, rows: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array]:
+          space: LinkSpace) -> tuple[jax.Array, jax.Array]:
     """Start and length `(k, R)` of the ``R`` runs of forward candidates of the sorted points ``idx (k,)`` (cell
-    coordinates ``coords (k, d)``), in the rows of :func:`_forward_rows` numbered ``rows`` (default: all).
+    coordinates ``coords (k, d)``) in every row of :func:`_forward_rows`: the runs of :func:`_row_runs`, each row's
+    run then its run across the box."""
+    runs = _row_runs(coords, idx, num, starts, grid, space)
+    if len(runs) == 1:
+        return runs[0]
+    return (jnp.stack([run[0] for run in runs], axis=2).reshape(len(idx), -1),
+            jnp.stack([run[1] for run in runs], axis=2).reshape(len(idx), -1))
+
+
+def _row_runs(coords: jax.Array, idx: jax.Array, num: jax.Array, starts: jax.Array, grid: Grid,
+              space: LinkSpace, rows: tuple[int, ...] | None = None) -> list[tuple[jax.Array, jax.Array]]:
+    """Start and length `(k, rows)` of the forward candidates of the sorted points ``idx (k,)`` (cell coordinates
+    ``coords (k, d)``) in the rows of :func:`_forward_rows` numbered ``rows`` (default: all): the run in each row,
+    then (a space that may wrap) its run across the box.
 
     Own row: the points after this one in its own cell and the next cell (and, periodic, cell 0 after the last
     cell). Forward rows (half of the neighbouring rows): cells ``x - 1 .. x + 1`` of the row (periodic: the cell
@@ -276,7 +298,8 @@ def _runs(coords: jax.Array, idx: jax.Array, num: jax.Array, starts: jax.Array, 
     runs, except on axes of two cells, where the two neighbours coincide (a pair found twice does not matter).
     Wrapping is per axis (``space.wrap``, traced): a space that may wrap (``space.box``) has the same runs whatever
     mix of open and periodic axes it has, so one compiled search serves them all. All rows are computed at once
-    (`(k, rows)` arrays: a few wide operations, not a few per row, which keeps the program small).
+    (`(k, rows)` arrays: a few wide operations, not a few per row, which keeps the program small); the runs come
+    apart, so that a caller taking them one by one never needs them stacked in memory.
     """
     periodic = space.box is not None
     every = _forward_rows(coords.shape[1])  # the own row first
@@ -293,10 +316,12 @@ def _runs(coords: jax.Array, idx: jax.Array, num: jax.Array, starts: jax.Array, 
         # On an axis of one cell every offset is the row itself, which offset 0 already covers.
         wraps = space.wrap[None, None, 1:]
         fine = jnp.where(wraps, (cells >= 2) | (offsets == 0)[None], (c >= 0) & (c < cells))
-        ok = jnp.all(fine, axis=-1)
         c = jnp.where(wraps, jnp.mod(c, cells), c)
     else:
-        ok = jnp.all((c >= 0) & (c < cells), axis=-1)
+        fine = (c >= 0) & (c < cells)
+    # The own row alone is always in the grid; its `fine` is a constant, which XLA would reduce point by point while
+    # compiling (seconds at a million points).
+    ok = jnp.all(fine, axis=-1) if offsets.any() else jnp.ones(c.shape[:2], bool)
     base = jnp.sum(c * grid.stride[None, None, 1:], axis=-1)  # (k, rows)
     hi = starts[base + jnp.minimum(cx + 1, gx - 1) + 1]
     lo = jnp.where(own, idx[:, None] + 1, starts[base + jnp.maximum(cx - 1, 0)])
@@ -307,10 +332,8 @@ def _runs(coords: jax.Array, idx: jax.Array, num: jax.Array, starts: jax.Array, 
     wrap_lo = starts[wrap_cell]
     wrap_len = jnp.where(ok & live & wrap_ok & across, jnp.maximum(starts[wrap_cell + 1] - wrap_lo, 0), 0)
     if not periodic:  # (no axis wraps: the own row's run across the box is always empty)
-        return main
-    # Each row's run, then its run across the box (the order of the edges found).
-    return (jnp.stack([main[0], wrap_lo], axis=2).reshape(len(idx), -1),
-            jnp.stack([main[1], wrap_len], axis=2).reshape(len(idx), -1))
+        return [main]
+    return [main, (wrap_lo, wrap_len)]  # each row's run, then its run across the box (the order of the edges found)
 
 
 class _Search(NamedTuple):
@@ -353,21 +376,28 @@ def find_links(points: SortedPoints, num: jax.Array, linking_length: jax.Array, 
     slots, _ = step_sizes(tuning, n)
     ll2 = (linking_length * linking_length).astype(points.pos.dtype)
     idx = jnp.arange(n, dtype=jnp.int32)
-    run_start, run_len = _runs(points.coords, idx, num, points.starts, grid, space)
-    total = jnp.sum(run_len, axis=1)
-    point_end = jnp.cumsum(total)  # (n,) inclusive
-    point_begin = point_end - total
-    # Candidate numbers are int32: with 2**31 candidates or more (a clump of ~65000 points within a few cells),
-    # search nothing and report an edge count no capacity can hold.
-    too_many = jnp.sum(total.astype(jnp.float32)) >= 2.0**31 * 0.999
-    num_slots = jnp.where(too_many, 0, point_end[-1])
-    num_runs = run_len.shape[1]
+    num_rows = len(_forward_rows(points.pos.shape[1]))
     if tuning.run_table:
+        run_start, run_len = _runs(key_coords(points.keys, grid), idx, num, points.starts, grid, space)
+        total = jnp.sum(run_len, axis=1)
+        num_runs = run_len.shape[1]
         # j = shift[point, run] + candidate number within the point
         run_end = jnp.cumsum(run_len, axis=1)
         lookup = jnp.concatenate([run_end, run_start - (run_end - run_len)], axis=1)
+    else:
+        # Only each point's number of candidates, a row of cells at a time: each row's table lookups wait for the
+        # last row's sum (``after``), so XLA holds one row's buffers at a time, not (n, R) of them.
+        total, keys = jnp.zeros((n,), jnp.int32), points.keys
+        for r in range(num_rows):
+            for _, length in _row_runs(key_coords(keys, grid), idx, num, points.starts, grid, space, rows=(r,)):
+                total = total + length[:, 0]
+            keys = after(keys, total)
+    point_begin = jnp.cumsum(total) - total  # (n,) first candidate number of each point
+    # Candidate numbers are int32: with 2**31 candidates or more (a clump of ~65000 points within a few cells),
+    # search nothing and report an edge count no capacity can hold.
+    too_many = jnp.sum(total.astype(jnp.float32)) >= 2.0**31 * 0.999
+    num_slots = jnp.where(too_many, 0, point_begin[-1] + total[-1])
     window = jnp.arange(slots, dtype=jnp.int32)
-    begin_pad = jnp.concatenate([point_begin, jnp.full((slots + 1,), num_slots, point_begin.dtype)])
 
     def candidate(qi: jax.Array, k: jax.Array) -> jax.Array:
         """`(slots,)` sorted row of the ``k``-th forward candidate of each slot's point ``qi``."""
@@ -375,14 +405,16 @@ def find_links(points: SortedPoints, num: jax.Array, linking_length: jax.Array, 
             row = lookup[qi]
             which = jnp.minimum(jnp.sum(k[:, None] >= row[:, :num_runs], axis=1, dtype=jnp.int32), num_runs - 1)
             return jnp.take_along_axis(row[:, num_runs:], which[:, None], axis=1)[:, 0] + k
-        # The runs of the step's points, a row of cells at a time (elementwise, no (slots, R) buffers).
+        # The runs of the step's points, a row of cells at a time (elementwise, no (slots, R) buffers; each row's
+        # lookups after the last row's, as for the totals).
         before = jnp.zeros_like(k)
         found = jnp.zeros_like(k)
-        for r in range(len(_forward_rows(points.coords.shape[1]))):
-            starts, lengths = _runs(points.coords[qi], qi, num, points.starts, grid, space, rows=(r,))
-            for start, length in zip(starts.T, lengths.T, strict=True):
-                found = jnp.where((k >= before) & (k < before + length), start + (k - before), found)
-                before = before + length
+        for r in range(num_rows):
+            for start, length in _row_runs(key_coords(points.keys[qi], grid), qi, num, points.starts, grid, space,
+                                           rows=(r,)):
+                found = jnp.where((k >= before) & (k < before + length[:, 0]), start[:, 0] + (k - before), found)
+                before = before + length[:, 0]
+            qi = after(qi, found)
         return found
 
     def cond(state: _Search) -> jax.Array:
@@ -392,7 +424,8 @@ def find_links(points: SortedPoints, num: jax.Array, linking_length: jax.Array, 
         slot0, p0, count = state.slot, state.point, state.count
         # p0 is the first point with candidates from slot0 on (or an earlier one without any). This step covers
         # the candidates of points p0 .. p0 + slots - 1 from slot0 on, at most `slots` of them.
-        mine = lax.dynamic_slice(begin_pad, (p0,), (slots + 1,))
+        at = p0 + jnp.arange(slots + 1, dtype=jnp.int32)
+        mine = jnp.where(at < n, point_begin[jnp.minimum(at, n - 1)], num_slots)
         stop = jnp.minimum(slot0 + slots, mine[-1])
         starting = jnp.where(mine[:-1] < stop, jnp.maximum(mine[:-1] - slot0, 0), slots)
         marks = jnp.zeros((slots,), jnp.int32).at[starting].add(1, mode="drop")
@@ -468,7 +501,7 @@ def components(links: Links, n: int, chunk: int = DEFAULT_TUNING.edge_chunk) -> 
         parent, jumps = compress(hooked.parent)
         return _Sweep(parent, hooked.changed, state.steps + jnp.stack([jnp.int32(1), num_chunks, jumps]))
 
-    parent = vary_like(jnp.arange(n, dtype=jnp.int32), links.first)
+    parent = after(jnp.arange(n, dtype=jnp.int32), links.first)  # made once the links are found
     init = _Sweep(parent, vary_like(jnp.ones((), bool), parent), vary_like(jnp.zeros((3,), jnp.int32), parent))
     done = lax.while_loop(lambda s: s.changed, sweep, init)
     return done.parent, done.steps

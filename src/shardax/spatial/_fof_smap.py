@@ -146,11 +146,13 @@ def global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., F
             _check_data(bad, span, box)
             if not int(any_overflow):
                 return res
-            short = _short_buffers(np.asarray(needed), sizes, n=n, ndev=ndev, min_members=min_members)
+            short = _short_buffers(np.asarray(needed), sizes, n=n, ndev=ndev, min_members=min_members,
+                                   tuning=tuning)
             if not short or any(getattr(requested, name) is not None for name in short):
                 break
             auto.update(short)
-        _raise_capacity(np.asarray(needed), device_buffers(sizes, n=n, devices=ndev, min_members=min_members))
+        _raise_capacity(np.asarray(needed), device_buffers(sizes, n=n, devices=ndev, min_members=min_members,
+                                                           tuning=tuning))
 
     return call
 
@@ -162,11 +164,12 @@ def _start_sizes(requested: Buffers, grown: dict[str, int], n: int) -> Buffers:
     return sizes._replace(halo_capacity=sizes.halo_capacity or max(n // _AUTO_HALO_FRACTION, _AUTO_HALO_MIN))
 
 
-def _short_buffers(needed: np.ndarray, sizes: Buffers, *, n: int, ndev: int, min_members: int) -> dict[str, int]:
+def _short_buffers(needed: np.ndarray, sizes: Buffers, *, n: int, ndev: int, min_members: int,
+                   tuning: Tuning) -> dict[str, int]:
     """The buffers of ``sizes`` that a call of ``fof.smap`` on ``ndev`` devices of ``n`` rows overflowed, each with
     a quarter more than a device ``needed``; the ghost buffer doubled when an exchange overflowed without a count
     over its buffer."""
-    have = device_buffers(sizes, n=n, devices=ndev, min_members=min_members)
+    have = device_buffers(sizes, n=n, devices=ndev, min_members=min_members, tuning=tuning)
     short = {name: k + k // 4 + 1 for name, k, h in zip(Buffers._fields, needed.tolist(), have, strict=True)
              if k > h}
     if not short and ndev > 1:
