@@ -501,7 +501,7 @@ def components(links: Links, n: int, chunk: int = DEFAULT_TUNING.edge_chunk) -> 
         parent, jumps = compress(hooked.parent)
         return _Sweep(parent, hooked.changed, state.steps + jnp.stack([jnp.int32(1), num_chunks, jumps]))
 
-    parent = after(jnp.arange(n, dtype=jnp.int32), links.first)  # made once the links are found
+    parent = vary_like(jnp.arange(n, dtype=jnp.int32), links.first)
     init = _Sweep(parent, vary_like(jnp.ones((), bool), parent), vary_like(jnp.zeros((3,), jnp.int32), parent))
     done = lax.while_loop(lambda s: s.changed, sweep, init)
     return done.parent, done.steps
