@@ -326,7 +326,8 @@ def _wrap_into_box(pos: jax.Array, box: jax.Array | None) -> jax.Array:
 
 def _group_numbers(root: jax.Array, component: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
     """Each row's group number `(n,)` (groups numbered ``0, 1, ...`` in the order of their ``root (n,)`` rows;
-    ``capacity`` for rows whose group is not numbered or lies past ``capacity``) and the number of groups."""
+    ``capacity`` for rows whose component has no root or whose group lies past ``capacity``: below ``capacity``
+    exactly the members the sums take) and the number of groups."""
     number = jnp.cumsum(root, dtype=jnp.int32) - 1
     group = number[component]
     return jnp.where(root[component] & (group < capacity), group, capacity), jnp.sum(root, dtype=jnp.int32)
@@ -352,7 +353,7 @@ def _one_device(problem: _Problem) -> tuple[FofResult, Steps]:
     # one per particle (the same rows in the same order: the same sums); groups past the catalogue are dropped.
     root = member & (linked.component == index)
     groups, groups_needed = _group_numbers(root, linked.component, buffers.max_groups)
-    parts = partial_sums(pos, mass, vel, groups, member & (groups < buffers.max_groups), buffers.max_groups, box)
+    parts = partial_sums(pos, mass, vel, groups, groups < buffers.max_groups, buffers.max_groups, box)
     label = jnp.full((buffers.max_groups,), -1, jnp.int32).at[jnp.where(root, groups, buffers.max_groups)].set(
         linked.labels, mode="drop")
     catalogue, _ = finish(parts, label, jnp.arange(buffers.max_groups) < groups_needed, buffers.max_groups, box)
