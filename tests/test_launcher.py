@@ -344,3 +344,67 @@ def test_coordinator_port_is_free_on_every_address_and_outside_the_ephemeral_ran
         port = held.getsockname()[1]
         assert not _bindable("127.0.0.1", port)
     assert _bindable("127.0.0.1", port)
+
+
+# A parent that may not import JAX: an import hook that makes ``import jax`` fail, set before shardax is imported.
+_NO_JAX = (
+    "import sys\n"
+    "class NoJax:\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name == 'jax' or name.startswith(('jax.', 'jaxlib')):\n"
+    "            raise ImportError('the launching process imported ' + name)\n"
+    "sys.meta_path.insert(0, NoJax())\n"
+)
+
+
+def test_launching_imports_no_jax(tmp_path: Path) -> None:
+    """The process that only starts others (``shardax launch``, ``shardax halos --processes N``) never imports JAX,
+    nor does ``import shardax`` with its public names; the launched processes do, and the job still runs."""
+    names = ("sx.CapacityError, sx.retry_capacity, sx.__version__, sx.runtime.launch, sx.runtime.ENV_NUM_PROCESSES, "
+             "sx.runtime.detect_launch, sx.runtime.run_processes")
+    code = (_NO_JAX + "import shardax as sx\n"
+            f"{names}\n"
+            "from shardax.cli import main\n"
+            f"assert main(['launch', '-n', '2', {RANKS!r}, 'ok']) == 0\n"
+            f"assert main(['halos', '--processes', '2', '--cpu-devices', '2', '--particles', '3000', '--plain', "
+            f"'--no-cache', '--min-members', '10', '--out', {str(tmp_path)!r}]) == 0\n"
+            "assert not [m for m in sys.modules if m == 'jax' or m.startswith('jax.')]\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[1] hello from rank 1 of 2" in proc.stdout and "halos (>= 10)" in proc.stdout
+    assert (tmp_path / "fof_tab_000.hdf5").exists()
+
+
+def test_public_faces_resolve_every_name() -> None:
+    """``shardax`` and ``shardax.runtime`` import their parts on first use: every public name resolves (to the
+    object of the module that defines it), ``dir`` lists them, and a wrong name fails as on any module."""
+    import shardax.runtime._world as world_module
+
+    for face in (sx, sx.runtime):
+        assert set(face.__all__) <= set(dir(face)), face.__name__
+        for name in face.__all__:
+            assert getattr(face, name) is not None, (face.__name__, name)
+    assert sx.World is world_module.World and sx.runtime.world is world_module.world and sx.comm.allreduce
+    assert sx.runtime.detect_launch is sx.runtime._env.detect
+    for face in (sx, sx.runtime):
+        with pytest.raises(AttributeError, match=f"module '{face.__name__}' has no attribute 'no_such_name'"):
+            face.no_such_name  # noqa: B018
+
+
+def test_job_process_ends_with_its_exit_code_and_output(tmp_path: Path) -> None:
+    """``python -m shardax.cli`` ends a process that ran JAX without tearing the interpreter down: its exit code
+    and every line it wrote still come through, and so do the exit handlers' lines."""
+    bad = tmp_path / "bad.hdf5"
+    bad.write_bytes(b"\x89HDF\r\n" + b"0" * 100)
+    code = ("import atexit, runpy, sys\n"
+            "atexit.register(lambda: print('exit handler ran', flush=False))\n"
+            f"sys.argv = ['shardax', 'halos', {str(bad)!r}, '--no-cache', '--out', {str(tmp_path / 'o')!r}]\n"
+            "runpy.run_module('shardax.cli', run_name='__main__')\n")
+    env = {**os.environ, "SHARDAX_MALLOC": "system"}  # no restart with the allocator's settings: this process ends
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1, proc.stderr
+    assert "truncated or corrupt" in proc.stderr and "exit handler ran" in proc.stdout
+    good = _cli("halos", "--particles", "2000", "--min-members", "10", "--no-cache", "--plain", "--out",
+                str(tmp_path / "g"))
+    assert good.returncode == 0, good.stderr
+    assert good.stdout.rstrip().splitlines()[-1].startswith("  ") and "halos (>= 10)" in good.stdout

@@ -205,25 +205,41 @@ def cache_env(path: str) -> dict[str, str]:
     return {_ENV_DIR: path, _ENV_ENABLE: "true", _ENV_MIN_TIME: "0", _ENV_MIN_SIZE: "0"}
 
 
+def cache_environment(enabled: bool) -> str | None:
+    """Turn JAX's persistent compilation cache on (every program, however fast it compiled) or off in the environment
+    only: for the processes this one starts, and for this one if it imports JAX later. Imports no JAX (the processes
+    that only launch others never do). A ``JAX_COMPILATION_CACHE_DIR`` already set is kept.
+
+    Returns:
+        The cache directory, or None when off (asked so, or the directory cannot be made).
+    """
+    if not enabled:
+        os.environ[_ENV_ENABLE] = "false"
+        return None
+    path = os.environ.get(_ENV_DIR) or default_cache_dir()
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        os.environ[_ENV_ENABLE] = "false"
+        return None  # an unwritable home: run without the cache rather than fail
+    os.environ.update(cache_env(path))
+    return path
+
+
 def use_compilation_cache(enabled: bool) -> str | None:
     """Turn JAX's persistent compilation cache on (every program, however fast it compiled) or off, for this
-    process and the processes it starts. A ``JAX_COMPILATION_CACHE_DIR`` already set is kept.
+    process and the processes it starts (:func:`cache_environment`, and this process's JAX configuration), with the
+    same key for a program on every process and read-back programs checked (module docstring).
 
     Returns:
         The cache directory, or None when off.
     """
     import jax
 
-    if not enabled:
-        os.environ[_ENV_ENABLE] = "false"
+    path = cache_environment(enabled)
+    if path is None:
         jax.config.update("jax_enable_compilation_cache", False)
         return None
-    path = os.environ.get(_ENV_DIR) or default_cache_dir()
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError:
-        return None  # an unwritable home: run without the cache rather than fail
-    os.environ.update(cache_env(path))
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

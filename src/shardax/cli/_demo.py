@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from .._compile_cache import use_compilation_cache
+from .._compile_cache import cache_environment, use_compilation_cache
 from ..runtime import ConsoleSink, Stream, launch
 from ..runtime import detect_launch as detect
 from ._demo_table import REPORT_NAME, Report, exit_code, print_report, read_report
@@ -101,12 +101,12 @@ def run_cli(argv: Sequence[str]) -> int:
     """``shardax demo ...``: returns 0 if every capability ran and passed its check."""
     parser = demo_parser()
     ns = parser.parse_args(list(argv))
-    use_compilation_cache(not ns.no_cache)  # here and, through the environment, in the launched processes
     launched = detect()
     if launched.source != "single":
         # Already one process of a run: the world is the launcher's (--processes does not apply).
         _check(parser, ns, None)
         computing_here(parser)
+        use_compilation_cache(not ns.no_cache)
         ns.cpu_devices = ns.cpu_devices or launched.cpu_devices
         from ._demo_body import run_demo
 
@@ -114,6 +114,7 @@ def run_cli(argv: Sequence[str]) -> int:
     ns.processes = ns.processes or DEFAULT_PROCESSES
     ns.cpu_devices = ns.cpu_devices or DEFAULT_CPU_DEVICES
     _check(parser, ns, ns.processes * ns.cpu_devices)
+    cache_environment(not ns.no_cache)  # for the launched processes; this one only launches them: no JAX here
     report_path = os.path.join(ns.out, REPORT_NAME)
     os.makedirs(ns.out, exist_ok=True)
     if os.path.exists(report_path):

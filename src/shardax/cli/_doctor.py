@@ -8,11 +8,14 @@ import os
 import platform
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from .._version import __version__
 from ..runtime import ENV_NUM_PROCESSES
 from ._options import add_run_options, add_world_options, job_parser, positive_int
-from ._selftest import CheckResult
+
+if TYPE_CHECKING:
+    from ._selftest import CheckResult
 
 
 def doctor_parser() -> argparse.ArgumentParser:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .._compile_cache import settle_compilation_cache, use_compilation_cache
+from .._compile_cache import cache_environment, settle_compilation_cache, use_compilation_cache
 from ..runtime import ENV_NUM_PROCESSES
 from ._options import add_run_options, add_world_options, computing_here, job_parser
 from ._progress import Progress
@@ -77,13 +77,14 @@ def run_cli(argv: Sequence[str]) -> int:
         parser.error(f"snapshot {ns.snapshot} does not exist")
     if ns.particle_mass is not None and not (ns.particle_mass > 0 and math.isfinite(ns.particle_mass)):
         parser.error(f"--particle-mass must be positive (Msun/h), got {ns.particle_mass}")
-    use_compilation_cache(not ns.no_cache)
     if ns.processes is not None and ENV_NUM_PROCESSES not in os.environ:
         from ..runtime import launch
 
+        cache_environment(not ns.no_cache)  # this process only launches: no JAX here
         return launch(["-m", "shardax.cli", "halos", *_forward(ns)], num_processes=ns.processes,
                       cpu_devices=ns.cpu_devices, timeout_s=ns.timeout).returncode
     computing_here(parser)
+    use_compilation_cache(not ns.no_cache)
     try:
         return halos(ns)
     except (ValueError, OSError) as err:

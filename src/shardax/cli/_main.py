@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import importlib
 import sys
 from collections.abc import Callable, Sequence
 
 from .._version import __version__
-from ._bench import run_cli as _bench_cli
-from ._demo import run_cli as _demo_cli
-from ._doctor import run_cli as _doctor_cli
-from ._halos import run_cli as _halos_cli
-from ._launch import run_cli as _launch_cli
-from ._nbody import run_cli as _nbody_cli
 from ._options import set_restart
 
 
@@ -32,18 +28,30 @@ class Subcommand:
     run: Callable[[Sequence[str]], int]
 
 
+def _run_cli(module: str) -> Callable[[Sequence[str]], int]:
+    """The ``run_cli`` of ``shardax.cli.<module>``, imported when the subcommand runs: ``shardax launch`` and the jobs
+    that start processes import no JAX before they start them."""
+
+    def run(argv: Sequence[str]) -> int:
+        return importlib.import_module(f"{__package__}.{module}").run_cli(argv)
+
+    run.__name__ = run.__qualname__ = f"{module.lstrip('_')}_cli"
+    return run
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     cmd.name: cmd
     for cmd in (
-        Subcommand("launch", "run a script or module in N local processes (rank-tagged output)", _launch_cli),
-        Subcommand("doctor", "versions, devices, world and a collective self-test with bandwidth", _doctor_cli),
-        Subcommand("demo", "every capability on 2 processes x 4 CPU devices, checked: table and plots", _demo_cli),
+        Subcommand("launch", "run a script or module in N local processes (rank-tagged output)", _run_cli("_launch")),
+        Subcommand("doctor", "versions, devices, world and a collective self-test with bandwidth", _run_cli("_doctor")),
+        Subcommand("demo", "every capability on 2 processes x 4 CPU devices, checked: table and plots",
+                   _run_cli("_demo")),
         Subcommand("halos", "friends-of-friends halo catalogue (HDF5) and mass function from a snapshot or ICs",
-                   _halos_cli),
+                   _run_cli("_halos")),
         Subcommand("nbody", "particle-mesh N-body from Gaussian ICs to z = 0: Gadget snapshot, P(k), halos, plots",
-                   _nbody_cli),
+                   _run_cli("_nbody")),
         Subcommand("bench", "the benchmark suite: each kernel side by side with its anchor, ratios, JSON, plots",
-                   _bench_cli),
+                   _run_cli("_bench")),
     )
 }
 
@@ -66,7 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Run as the console script (``argv`` left ``None``), a job (``halos``, ``demo``, ``nbody``) about to compute in
     this process restarts it once with glibc's allocator set up for XLA:CPU (:func:`shardax.runtime.malloc_env`;
-    ``SHARDAX_MALLOC=system`` keeps the defaults); one that starts processes (``--processes``) starts them so.
+    ``SHARDAX_MALLOC=system`` keeps the defaults); one that starts processes (``--processes``) starts them so. A
+    process that ran JAX then ends as soon as its exit handlers have run (:func:`_end_process`).
 
     Args:
         argv: the arguments after the program name (default: ``sys.argv[1:]``).
@@ -89,4 +98,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command is None:
         parser.error(f"unknown command {name!r}; choose from {', '.join(SUBCOMMANDS)}")
     set_restart(["-m", "shardax.cli", *args] if argv is None else None)
-    return command.run(rest)
+    code = command.run(rest)
+    if argv is None:
+        _end_process(code)
+    return code
+
+
+def _end_process(code: int) -> None:
+    """End this process (the console script, or ``python -m shardax.cli``) with ``code`` once the exit handlers have
+    run, where it ran JAX: tearing the interpreter down then frees XLA's client, its device threads and every
+    module one by one, about 0.3 s per process that nobody waits for (each process of a launched job spends it, and
+    the launcher waits for the last). Output is flushed and the exit handlers run as in a normal exit (JAX's
+    distributed shutdown among them); no thread of a job outlives its command."""
+    if "jax" not in sys.modules:
+        return
+    import atexit
+    import os
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code if isinstance(code, int) else 1)

@@ -14,7 +14,7 @@ import math
 import sys
 from collections.abc import Sequence
 
-from .._compile_cache import settle_compilation_cache, use_compilation_cache
+from .._compile_cache import cache_environment, settle_compilation_cache, use_compilation_cache
 from ..runtime import detect_launch as detect
 from ._nbody_progress import ProgressPrinter, ProgressSink
 from ._options import add_run_options, add_world_options, computing_here, job_parser
@@ -120,12 +120,13 @@ def run_cli(argv: Sequence[str]) -> int:
     processes = ns.processes or DEFAULT_PROCESSES
     ns.cpu_devices = ns.cpu_devices or DEFAULT_CPU_DEVICES
     check_options(parser, ns, processes * ns.cpu_devices)
-    use_compilation_cache(not ns.no_cache)
     if processes == 1:
         computing_here(parser)
+        use_compilation_cache(not ns.no_cache)
         return _run_here(ns, cpu_devices=ns.cpu_devices)
     from ..runtime import launch
 
+    cache_environment(not ns.no_cache)  # this process only launches: no JAX here
     printer = ProgressPrinter(plain=ns.plain)
     printer.line(f"shardax nbody: starting {processes} processes x {ns.cpu_devices} CPU devices")
     sink = ProgressSink(printer)

@@ -3,14 +3,13 @@ CPUs XLA:CPU compiles for.
 
 :func:`launch` starts N local processes of one program (the library under ``shardax launch`` and
 :mod:`shardax.testing`); the ``ENV_*`` names are the environment contract between a launcher and :func:`initialize`.
+Launching needs no JAX: the names that do (``initialize``, ``World``, the meshes ...) are imported on first use.
 """
 
-from .._compile import limited_cpus as limited_cpus
-from .._guard import configure_guard as configure_guard
+from typing import TYPE_CHECKING
+
+from .._lazy import attach
 from .._transport import cpu_collectives as cpu_collectives
-from .._tuning import TuningBackend as TuningBackend
-from .._tuning import tuning_backend as tuning_backend
-from .._watchdog import configure_watchdog as configure_watchdog
 from ._env import ENV_COORDINATOR as ENV_COORDINATOR
 from ._env import ENV_CPU_DEVICES as ENV_CPU_DEVICES
 from ._env import ENV_INITIALIZED as ENV_INITIALIZED
@@ -20,7 +19,6 @@ from ._env import ENV_PROCESS_ID as ENV_PROCESS_ID
 from ._env import RUN_VARS as RUN_VARS
 from ._env import LaunchInfo as LaunchInfo
 from ._env import detect as detect_launch
-from ._initialize import initialize as initialize
 from ._launch import child_env as child_env
 from ._launch import launch as launch
 from ._launch import mpirun_spec as mpirun_spec
@@ -35,12 +33,27 @@ from ._procs import ProcessSpec as ProcessSpec
 from ._procs import Sink as Sink
 from ._procs import Stream as Stream
 from ._procs import run_processes as run_processes
-from ._replicate import host_replicate as host_replicate
-from ._world import World as World
-from ._world import device_grid as device_grid
-from ._world import flat_mesh as flat_mesh
-from ._world import grid_mesh as grid_mesh
-from ._world import world as world
+
+if TYPE_CHECKING:
+    from .._compile import limited_cpus as limited_cpus
+    from .._guard import configure_guard as configure_guard
+    from .._tuning import TuningBackend as TuningBackend
+    from .._tuning import tuning_backend as tuning_backend
+    from .._watchdog import configure_watchdog as configure_watchdog
+    from ._initialize import initialize as initialize
+    from ._replicate import host_replicate as host_replicate
+    from ._world import World as World
+    from ._world import device_grid as device_grid
+    from ._world import flat_mesh as flat_mesh
+    from ._world import grid_mesh as grid_mesh
+    from ._world import world as world
+
+__getattr__, __dir__ = attach(__name__, globals(), {
+    "limited_cpus": ".._compile", "configure_guard": ".._guard", "TuningBackend": ".._tuning",
+    "tuning_backend": ".._tuning", "configure_watchdog": ".._watchdog", "initialize": "._initialize",
+    "host_replicate": "._replicate",
+    **dict.fromkeys(("World", "device_grid", "flat_mesh", "grid_mesh", "world"), "._world"),
+})
 
 __all__ = ["ENV_COORDINATOR", "ENV_CPU_DEVICES", "ENV_INITIALIZED", "ENV_JAX_CPU_DEVICES", "ENV_NUM_PROCESSES",
            "ENV_PROCESS_ID", "RUN_VARS", "CaptureSink", "ConsoleSink", "JobResult", "LaunchInfo", "ProcessSpec",
