@@ -134,6 +134,27 @@ def test_cache_policy_after_initialize(tmp_path) -> None:
                                               "True", "False"]
 
 
+def test_process_zero_hands_a_program_over_before_writing_it(tmp_path) -> None:
+    """With the jobs' cache settings, JAX's share-and-cache step hands the executable to the other processes first
+    and writes the cache entry after (held, not dropped); a write outside sharing is not held."""
+    code = ("from jax._src import compiler\n"
+            "events = []\n"
+            "def share(*args, **kwargs):\n"
+            "    compiler._cache_write('key', 1.0, 'm', None, 'exe', [])\n"
+            "    events.append('shared')\n"
+            "    return 'exe'\n"
+            "share.modules_cache = {}\n"
+            "compiler._compile_and_share_module = share\n"
+            "compiler._cache_write = lambda *args, **kwargs: events.append('written-' + args[0])\n"
+            "from shardax._compile_cache import use_compilation_cache\n"
+            "use_compilation_cache(True)\n"
+            "assert compiler._compile_and_share_module.modules_cache is share.modules_cache\n"
+            "got = compiler._compile_and_share_module()\n"
+            "compiler._cache_write('alone', 1.0, 'm', None, 'exe', [])\n"
+            "print(got, *events, sep=',')\n")
+    assert _fresh_process(code, tmp_path) == ["exe,shared,written-key,written-alone"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--linking-length", "-1"], "--linking-length must be positive"),
     (["--min-members", "0"], "--min-members must be a positive integer"),

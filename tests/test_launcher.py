@@ -373,6 +373,9 @@ def test_launching_imports_no_jax(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[1] hello from rank 1 of 2" in proc.stdout and "halos (>= 10)" in proc.stdout
     assert (tmp_path / "fof_tab_000.hdf5").exists()
+    # The last process plots (process 0 prints): the summary names the file it wrote.
+    assert (tmp_path / "mass_function.png").stat().st_size > 1000
+    assert f"mass function     {tmp_path / 'mass_function.png'}" in proc.stdout
 
 
 def test_public_faces_resolve_every_name() -> None:

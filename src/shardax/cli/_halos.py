@@ -10,6 +10,7 @@ import argparse
 import math
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,7 +45,7 @@ def halos_parser() -> argparse.ArgumentParser:
                         help="generated particles when no snapshot is given (default 100000)")
     parser.add_argument("--box", type=float, default=1.0, help="box size of generated particles (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of generated particles (default 0)")
-    add_world_options(parser, processes_help="run under `shardax launch -n N` (rank 0 prints and plots)")
+    add_world_options(parser, processes_help="run under `shardax launch -n N` (rank 0 prints, the last rank plots)")
     parser.add_argument("--per-rank", action="store_true",
                         help=f"one catalogue file per process (fof_tab_000.<rank>.hdf5, Gadget's multi-file layout) "
                              f"instead of one {CATALOGUE}")
@@ -175,7 +176,7 @@ def halos(ns: argparse.Namespace) -> int:
     from ..particles import from_numpy
     from ..runtime import initialize
     from ..spatial import fof
-    from ._plots import mass_function_plot
+    from ._plots import mass_function_plot, warm_up
 
     world = initialize(cpu_devices=ns.cpu_devices)
     settle_compilation_cache(world)
@@ -202,6 +203,12 @@ def halos(ns: argparse.Namespace) -> int:
     box_t = tuple(float(b) for b in box)
     # Buffers grown to what the data needs.
     tuning = _clustered_tuning(world.platform)
+    # The last process plots: it loads matplotlib while it waits for process 0 to compile FoF (on CPU, process 0
+    # compiles for all of them), where process 0 itself would spend the time after FoF.
+    plotter = world.num_processes - 1
+    warming = threading.Thread(target=warm_up, name="shardax-plot-warm-up", daemon=True)
+    if me == plotter and plotter > 0:
+        warming.start()
     result = steps.run("friends-of-friends",
                        lambda: retry_capacity(fof.smap(), part, ll, box=box_t, min_members=ns.min_members,
                                               tuning=tuning)[0],
@@ -214,7 +221,7 @@ def halos(ns: argparse.Namespace) -> int:
     files = steps.run("write catalogue", lambda: sxio.write_fof_table(
         cat_path, result, part, box=box_t, redshift=redshift, particle_ids=extras["particle_ids"],
         parameters=parameters, per_rank=ns.per_rank))
-    table = sxio.read_fof_table(cat_path)["Group"] if me == 0 else {}
+    table = sxio.read_fof_table(cat_path)["Group"] if me in (0, plotter) else {}
     mass_table = np.asarray(header.get("MassTable", np.zeros(2))).reshape(-1)
     particle_mass = float(mass_table[1]) if ns.snapshot is not None and len(mass_table) > 1 and mass_table[1] > 0 \
         else None
@@ -222,12 +229,21 @@ def halos(ns: argparse.Namespace) -> int:
     plot_path = os.path.join(ns.out, "mass_function.png")
 
     def plot() -> bool:
-        if me != 0:
-            return False
-        sizes = table["GroupLen"].astype(np.float64)
-        mass, unit = (sizes * msun_h, "$M_\\odot/h$") if msun_h is not None else (sizes, "particles")
-        return mass_function_plot(mass, volume, plot_path, f"FoF b={ll / spacing:.3g}, {len(sizes)} halos, box side "
-                                  f"{box_t[0]:g} ({length_unit})", mass_unit=unit, length_unit=length_unit)
+        plotted = False
+        if me == plotter:
+            if warming.is_alive():
+                warming.join()
+            sizes = table["GroupLen"].astype(np.float64)
+            mass, unit = (sizes * msun_h, "$M_\\odot/h$") if msun_h is not None else (sizes, "particles")
+            plotted = mass_function_plot(mass, volume, plot_path, f"FoF b={ll / spacing:.3g}, {len(sizes)} halos, "
+                                         f"box side {box_t[0]:g} ({length_unit})", mass_unit=unit,
+                                         length_unit=length_unit)
+        if world.num_processes == 1:
+            return plotted
+        from jax.experimental import multihost_utils
+
+        # Every process learns whether the plot was written (process 0 prints it); the others wait for it here.
+        return bool(np.asarray(multihost_utils.process_allgather(np.int32(plotted))).reshape(-1)[-1])
 
     plotted = steps.run("mass function plot", plot)
     if me == 0:
