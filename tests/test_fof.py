@@ -130,7 +130,7 @@ def test_gpu_preset_memory_per_particle() -> None:
     beyond the positions and labels bounds how many particles a GPU holds): 1e6 uniform points, b = 0.2, compiled
     with XLA's defaults. The catalogue sums run over its rows (not one per particle), the edge list holds 3 pairs
     per point, the candidate runs of a step are read a row of cells at a time, and the buffers of the labels wait
-    for the components: 147 bytes per particle, 268 before them."""
+    for the components: 147 bytes per particle at 1e6 points."""
     from conftest import USER_COMPILER_OPTIONS
 
     n = 1_000_000

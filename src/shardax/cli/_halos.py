@@ -206,8 +206,9 @@ def halos(ns: argparse.Namespace) -> int:
     # The last process plots: it loads matplotlib while it waits for process 0 to compile FoF (on CPU, process 0
     # compiles for all of them), where process 0 itself would spend the time after FoF.
     plotter = world.num_processes - 1
-    warming = threading.Thread(target=warm_up, name="shardax-plot-warm-up", daemon=True)
-    if me == plotter and plotter > 0:
+    warming = threading.Thread(target=warm_up, name="shardax-plot-warm-up", daemon=True) \
+        if me == plotter and plotter > 0 else None
+    if warming is not None:
         warming.start()
     result = steps.run("friends-of-friends",
                        lambda: retry_capacity(fof.smap(), part, ll, box=box_t, min_members=ns.min_members,
@@ -231,7 +232,7 @@ def halos(ns: argparse.Namespace) -> int:
     def plot() -> bool:
         plotted = False
         if me == plotter:
-            if warming.is_alive():
+            if warming is not None:
                 warming.join()
             sizes = table["GroupLen"].astype(np.float64)
             mass, unit = (sizes * msun_h, "$M_\\odot/h$") if msun_h is not None else (sizes, "particles")

@@ -115,11 +115,12 @@ def _end_process(code: int) -> None:
     import atexit
     import os
 
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    def flush() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+
+    flush()
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    flush()  # what the exit handlers wrote
     os._exit(code if isinstance(code, int) else 1)
