@@ -78,6 +78,46 @@ def test_mixed_periodic_meshes(mixed, mesh) -> None:
     compare_catalogues(got, cat)
 
 
+@pytest.mark.parametrize("shape", [(), (8,), (2, 4)], ids=["local", "8", "2x4"])
+def test_labels_only(mixed, shape: tuple[int, ...]) -> None:
+    """``catalogue=False``: the same labels as SciPy (and as with the catalogue) and no catalogue, in the local view
+    and on meshes of 8 devices, where the mixed data's groups cross devices and the box edge."""
+    data, want, _ = mixed
+    if shape:
+        mesh = make_mesh(shape)
+        fields = {k: data[k] for k in ("mass", "vel") if data[k] is not None}
+        part = sx.particles.from_numpy(data["pos"], mesh=mesh, **fields)
+        with collectives_ordered():
+            res = fof.smap(mesh)(part, data["linking_length"], box=data["box"], min_members=MIN_MEMBERS,
+                                 catalogue=False)
+        labels = labels_by_input_index(np.asarray(res.labels), np.asarray(part.ids), np.asarray(part.num),
+                                       len(data["pos"]))
+    else:
+        part = Particles(pos=jnp.asarray(data["pos"]), num=jnp.int32(len(data["pos"])),
+                         mass=jnp.asarray(data["mass"]), vel=jnp.asarray(data["vel"]))
+        res = fof(part, data["linking_length"], box=data["box"], min_members=MIN_MEMBERS, catalogue=False)
+        assert not bool(res.overflow)
+        labels = np.asarray(res.labels)
+    assert res.catalogue is None
+    np.testing.assert_array_equal(labels, want)
+    # Nothing was summed into a catalogue, so no catalogue row was needed.
+    assert int(np.max(np.asarray(res.needed).reshape(-1, 4)[:, 2])) == 0
+
+
+def test_labels_only_dense_boundaries_on_eight_devices() -> None:
+    """Labels only, with most groups crossing devices (the ghost buffer grows): group sizes summed across devices
+    from the pieces' counts decide membership exactly as SciPy's."""
+    data = dense_boundaries()
+    want = reference.fof_labels(data["pos"], data["linking_length"], box=data["box"], min_members=MIN_MEMBERS)
+    mesh = make_mesh((8,))
+    part = sx.particles.from_numpy(data["pos"], mesh=mesh)
+    res = fof.smap(mesh)(part, data["linking_length"], box=data["box"], min_members=MIN_MEMBERS, catalogue=False)
+    labels = labels_by_input_index(np.asarray(res.labels), np.asarray(part.ids), np.asarray(part.num),
+                                   len(data["pos"]))
+    np.testing.assert_array_equal(labels, want)
+    assert res.catalogue is None and len(np.unique(want[want >= 0])) > 10
+
+
 @pytest.mark.parametrize("shape", [(), (8,)], ids=["local", "8"])
 def test_gpu_preset_on_cpu(mixed, shape: tuple[int, ...]) -> None:
     """The GPU preset forced on CPU (comparison sort and a cell table from its keys, runs recomputed per step, steps
@@ -327,6 +367,8 @@ def test_bad_input() -> None:
         fof(part, jnp.ones(2))
     with pytest.raises(ValueError, match="box must be a scalar or have 3"):
         fof(part, 0.1, box=(1.0, 1.0))
+    with pytest.raises(TypeError, match="fof: catalogue must be True or False"):
+        fof(part, 0.1, catalogue="labels")
     nan = Particles(pos=jnp.zeros((8, 3)).at[3, 1].set(jnp.nan), num=jnp.int32(8))
     with pytest.raises(ValueError, match="NaN"):
         fof(nan, 0.1)
@@ -337,6 +379,8 @@ def test_bad_input() -> None:
         fof.smap(mesh)(bad, 0.1)
     with pytest.raises(ValueError, match=r"fof.smap: part.pos must have shape \(ndev, n, d\)"):
         fof.smap(mesh)(part, 0.1)
+    with pytest.raises(TypeError, match="fof.smap: catalogue must be True or False"):
+        fof.smap(mesh)(good, 0.1, catalogue=None)
 
 
 def test_capacity_error_names_the_argument() -> None:

@@ -106,6 +106,10 @@ def _distributed_body(out_dir: str) -> dict:
                          "catalogue": res.catalogue.to_numpy(), "count": len(flat["pos"]),
                          "halo_needed": int(np.max(_host(res.needed)[:, 1]))}
         if name == "mixed":
+            only = fof.smap()(part, data["linking_length"], box=data["box"], min_members=MIN_MEMBERS,
+                              catalogue=False)
+            results["labels_only"] = {"labels": labels_by_input_index(_host(only.labels), ids, num, len(data["pos"])),
+                                      "catalogue": only.catalogue}
             shared = os.path.join(out_dir, "catalogue.h5")
             ranked = os.path.join(out_dir, "catalogue_ranked.h5")
             sx.io.write(shared, res.catalogue)
@@ -176,7 +180,12 @@ def test_fof_two_processes(tmp_path) -> None:
             np.testing.assert_array_equal(res[name]["labels"], want)
             compare_catalogues(res[name]["catalogue"], cat)
         assert len(np.unique(want[want >= 0])) > 3, name
+    # Labels only (catalogue=False) on the mixed data: the same labels, no catalogue.
     data = mixed_periodic()
+    want = reference.fof_labels(data["pos"], data["linking_length"], box=data["box"], min_members=MIN_MEMBERS)
+    for res in results:
+        np.testing.assert_array_equal(res["labels_only"]["labels"], want)
+        assert res["labels_only"]["catalogue"] is None
     plain = reference.fof_labels(data["pos"][:PLAIN_ROWS], data["linking_length"], box=data["box"], min_members=MIN_MEMBERS)
     for res in results:
         np.testing.assert_array_equal(res["plain"], plain)

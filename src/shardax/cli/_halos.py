@@ -201,7 +201,8 @@ def halos(ns: argparse.Namespace) -> int:
     spacing = (volume / total) ** (1 / 3)
     ll = ns.linking_length if ns.absolute else ns.linking_length * spacing
     box_t = tuple(float(b) for b in box)
-    # Buffers grown to what the data needs.
+    # Buffers grown to what the data needs. FoF gives labels only: the catalogue file sums the groups on the host
+    # (write_fof_table), and a program without the device catalogue compiles and runs faster.
     tuning = _clustered_tuning(world.platform)
     # The last process plots: it loads matplotlib while it waits for process 0 to compile FoF (on CPU, process 0
     # compiles for all of them), where process 0 itself would spend the time after FoF.
@@ -212,7 +213,7 @@ def halos(ns: argparse.Namespace) -> int:
         warming.start()
     result = steps.run("friends-of-friends",
                        lambda: retry_capacity(fof.smap(), part, ll, box=box_t, min_members=ns.min_members,
-                                              tuning=tuning)[0],
+                                              tuning=tuning, catalogue=False)[0],
                        doing=f"friends-of-friends on {world.device_count} device(s) (compiles on the first run)")
     os.makedirs(ns.out, exist_ok=True)
     cat_path = os.path.join(ns.out, CATALOGUE)

@@ -57,7 +57,8 @@ class FofResult(NamedTuple):
     Attributes:
         labels: `(n,)` int32 group label of each input row (smallest global input index of the group's members),
             -1 for rows in groups smaller than ``min_members`` and for padding rows.
-        catalogue: the :class:`Catalogue` of the groups with at least ``min_members`` members.
+        catalogue: the :class:`Catalogue` of the groups with at least ``min_members`` members; None when the
+            call asked for labels only (``catalogue=False``).
         overflow: bool, true when a buffer was too small (results incomplete; the global wrapper raises
             :class:`shardax.CapacityError` instead).
         needed: `(4,)` int32 rows needed by ``edge_capacity``, ``halo_capacity``, ``max_groups`` and
@@ -65,7 +66,7 @@ class FofResult(NamedTuple):
     """
 
     labels: jax.Array
-    catalogue: Catalogue
+    catalogue: Catalogue | None
     overflow: jax.Array
     needed: jax.Array
 
@@ -100,6 +101,7 @@ class _Problem(NamedTuple):
     min_members: int
     requested: Buffers  # buffer sizes as passed (None: the default)
     tuning: Tuning
+    catalogue: bool  # False: labels only (the rows carry no masses or velocities, no group sums but the counts)
 
 
 # ---- input ---------------------------------------------------------------------------------------------------------
@@ -141,8 +143,10 @@ def _check_linking_length(linking_length: Any, box: Any, dtype: Any) -> jax.Arra
 
 
 def _checked_problem(part: Any, linking_length: Any, *, box: Any, min_members: int, requested: Buffers,
-                     tuning: Tuning | TuningName | None) -> _Problem:
+                     tuning: Tuning | TuningName | None, catalogue: bool = True) -> _Problem:
     """The arguments of :func:`fof` checked (clear errors naming the argument) and gathered into a :class:`_Problem`."""
+    if not isinstance(catalogue, bool):
+        raise TypeError(f"fof: catalogue must be True or False (False: labels only), got {catalogue!r}")
     part = particle_set(part, "fof")
     n, dim = check_positions(part, "fof")
     if n == 0:
@@ -159,13 +163,14 @@ def _checked_problem(part: Any, linking_length: Any, *, box: Any, min_members: i
     if not isinstance(pos, Tracer) and not bool(jnp.all(jnp.isfinite(jnp.where(valid[:, None], pos, 0)))):
         raise ValueError("fof: part.pos has NaN or infinite coordinates; remove or fix those particles")
     check_local(pos, valid, box, "fof")
-    mass = getattr(part, "mass", None)
+    # Labels only: masses and velocities enter no sum, so they do not travel with the rows.
+    mass = getattr(part, "mass", None) if catalogue else None
     mass = None if mass is None else jnp.broadcast_to(jnp.asarray(mass, dtype), (n,))
-    vel = getattr(part, "vel", None)
+    vel = getattr(part, "vel", None) if catalogue else None
     vel = None if vel is None else jnp.asarray(vel, dtype)
     ids = getattr(part, "ids", None)
     rows = _Rows(pos, num, None if ids is None else jnp.asarray(ids, jnp.int32), mass, vel)
-    return _Problem(rows, ll, boxv, box, min_members, requested, resolved)
+    return _Problem(rows, ll, boxv, box, min_members, requested, resolved, catalogue)
 
 
 # ---- the local view ------------------------------------------------------------------------------------------------
@@ -173,7 +178,8 @@ def _checked_problem(part: Any, linking_length: Any, *, box: Any, min_members: i
 
 def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_members: int = 20,
         max_groups: int | None = None, edge_capacity: int | None = None, halo_capacity: int | None = None,
-        sort_capacity: int | None = None, tuning: Tuning | TuningName | None = None) -> FofResult:
+        sort_capacity: int | None = None, tuning: Tuning | TuningName | None = None,
+        catalogue: bool = True) -> FofResult:
     """Friends-of-friends groups of a particle set (local view; ``fof.smap()`` for global arrays).
 
     Two particles closer than (or exactly at) ``linking_length`` are friends; groups are the transitive closure.
@@ -198,6 +204,9 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
         tuning: static sizes and algorithm choices of the linking (:class:`~shardax.spatial.FofTuning`): None
             for the backend's preset (``SHARDAX_TUNING`` overrides), ``"cpu"`` or ``"gpu"`` for a preset, or a
             ``FofTuning``. Labels are the same with every tuning.
+        catalogue: False for labels only: no group sums but the member counts, ``catalogue`` None and
+            ``max_groups`` unused (a smaller program that compiles and runs faster when the groups are summed
+            elsewhere, e.g. by :func:`shardax.io.write_fof_table`). Labels are the same either way.
 
     Returns:
         :class:`FofResult`: ``labels (n,)`` aligned with the input rows, the ``catalogue``, ``overflow``, ``needed``.
@@ -221,17 +230,17 @@ def fof(part: Any, linking_length: float | jax.Array, *, box: Any = None, min_me
     """
     return _fof(part, linking_length, box=box, min_members=min_members, max_groups=max_groups,
                 edge_capacity=edge_capacity, halo_capacity=halo_capacity, sort_capacity=sort_capacity,
-                tuning=tuning)[0]
+                tuning=tuning, catalogue=catalogue)[0]
 
 
 def _fof(part: Any, linking_length: float | jax.Array, *, box: Any, min_members: int, max_groups: int | None,
          edge_capacity: int | None, halo_capacity: int | None, sort_capacity: int | None,
-         tuning: Tuning | TuningName | None) -> tuple[FofResult, Steps]:
+         tuning: Tuning | TuningName | None, catalogue: bool = True) -> tuple[FofResult, Steps]:
     """:func:`fof`, and the sequential loop steps it took (:func:`fof_steps`): checks, then one of the two paths."""
     requested = requested_buffers(edge_capacity=edge_capacity, halo_capacity=halo_capacity, max_groups=max_groups,
                            sort_capacity=sort_capacity)
     problem = _checked_problem(part, linking_length, box=box, min_members=min_members, requested=requested,
-                               tuning=tuning)
+                               tuning=tuning, catalogue=catalogue)
     rank, size, _ = rank_info()
     if size == 1:
         arrays = (problem.rows, problem.linking_length, problem.box)
@@ -305,7 +314,7 @@ def _members(labels: jax.Array, member: jax.Array) -> jax.Array:
     return jnp.where(member, labels, -1)
 
 
-def _result(labels: jax.Array, catalogue: Catalogue, needed: Buffers, buffers: Buffers,
+def _result(labels: jax.Array, catalogue: Catalogue | None, needed: Buffers, buffers: Buffers,
             exchange_overflow: jax.Array | None = None) -> FofResult:
     """The :class:`FofResult`: ``needed`` rows of each buffer, and overflow when one of them exceeds its size (or
     an exchange between devices overflowed)."""
@@ -344,20 +353,23 @@ def _one_device(problem: _Problem) -> tuple[FofResult, Steps]:
     ids = index if rows.ids is None else rows.ids
     linked = _link(pos, valid, ids, space=whole_space(pos, valid, box), grid_pos=pos, problem=problem, volume=None,
                    edge_capacity=buffers.edge_capacity)
-    mass, vel = _mass_vel(rows, n)
     # Only the members of groups large enough to keep enter the sums: with most particles in small groups (b = 0.2:
     # nearly all) the other rows are dropped from the sums' eight scatters instead of each adding to its own group.
     size = jax.ops.segment_sum(valid.astype(jnp.int32), jnp.where(valid, linked.component, n), n)
     member = valid & (size[linked.component] >= min_members)
-    # The groups kept are numbered in the order of their root rows, so the sums have a row per catalogue row, not
-    # one per particle (the same rows in the same order: the same sums); groups past the catalogue are dropped.
-    root = member & (linked.component == index)
-    groups, groups_needed = _group_numbers(root, linked.component, buffers.max_groups)
-    parts = partial_sums(pos, mass, vel, groups, groups < buffers.max_groups, buffers.max_groups, box)
-    label = jnp.full((buffers.max_groups,), -1, jnp.int32).at[jnp.where(root, groups, buffers.max_groups)].set(
-        linked.labels, mode="drop")
-    catalogue, _ = finish(parts, label, jnp.arange(buffers.max_groups) < groups_needed, buffers.max_groups, box)
     labels = _members(linked.labels, member)
+    catalogue, groups_needed = None, jnp.int32(0)
+    if problem.catalogue:
+        # The groups kept are numbered in the order of their root rows, so the sums have a row per catalogue row,
+        # not one per particle (the same rows in the same order: the same sums); groups past the catalogue are
+        # dropped.
+        mass, vel = _mass_vel(rows, n)
+        root = member & (linked.component == index)
+        groups, groups_needed = _group_numbers(root, linked.component, buffers.max_groups)
+        parts = partial_sums(pos, mass, vel, groups, groups < buffers.max_groups, buffers.max_groups, box)
+        label = jnp.full((buffers.max_groups,), -1, jnp.int32).at[jnp.where(root, groups, buffers.max_groups)].set(
+            linked.labels, mode="drop")
+        catalogue, _ = finish(parts, label, jnp.arange(buffers.max_groups) < groups_needed, buffers.max_groups, box)
     needed = Buffers(edge_capacity=linked.num_edges, halo_capacity=jnp.int32(0), max_groups=groups_needed,
                      sort_capacity=rows.num)
     return _result(labels, catalogue, needed, buffers), linked.steps
@@ -432,7 +444,7 @@ def _piece_space(local: _WithGhosts, pieces: Pieces, problem: _Problem, *,
 class _Groups(NamedTuple):
     """The groups of one device's components, those crossing devices summed on their home device."""
 
-    catalogue: Catalogue
+    catalogue: Catalogue | None  # None for labels only
     count: jax.Array  # (m + h,) members of each component's whole group
     needed: jax.Array  # catalogue rows needed
     boundary_needed: jax.Array  # rows the exchange of pieces of groups needed
@@ -447,16 +459,22 @@ def _catalogue_across(piece: _Piece, local: _WithGhosts, component: jax.Array, l
     m, hc = buffers.sort_capacity, buffers.halo_capacity
     dtype, dim = piece.rows.pos.dtype, piece.rows.pos.shape[1]
     big = m + hc
-    mass, vel = _mass_vel(piece.rows, m)
     own_rows = jnp.concatenate([piece.valid, jnp.zeros((hc,), bool)])
+    has_ghost = jax.ops.segment_max(jnp.concatenate([jnp.zeros((m,), jnp.int32), local.ghost_valid.astype(jnp.int32)]),
+                                    component, big) > 0
+    if not problem.catalogue:  # labels only: the member counts are all the groups need
+        count = jax.ops.segment_sum(own_rows.astype(jnp.int32), jnp.where(own_rows, component, big), big)
+        boundary = has_ghost & (count > 0)
+        totals, _, _, _, piece_needed, piece_overflow = boundary_totals(count, labels, boundary, rank, size, hc, box)
+        return _Groups(None, jnp.where(boundary, totals, count), jnp.int32(0), piece_needed, piece_overflow)
+    mass, vel = _mass_vel(piece.rows, m)
     mass_all = jnp.concatenate([mass, jnp.zeros((hc,), dtype)])
     vel_all = jnp.concatenate([vel, jnp.zeros((hc, dim), dtype)])
     parts = partial_sums(local.pos, mass_all, vel_all, component, own_rows, big, box)
-    has_ghost = jax.ops.segment_max(jnp.concatenate([jnp.zeros((m,), jnp.int32), local.ghost_valid.astype(jnp.int32)]),
-                                    component, big) > 0
     boundary = has_ghost & (parts.count > 0)
     totals, home, home_label, home_first, piece_needed, piece_overflow = boundary_totals(
         parts, labels, boundary, rank, size, hc, box)
+    assert home is not None
     local_keep = ~boundary & (parts.count >= min_members)
     cat_parts = Partial(*(jnp.concatenate([a, b]) for a, b in zip(parts, home, strict=True)))
     cat_label = jnp.concatenate([labels, home_label])

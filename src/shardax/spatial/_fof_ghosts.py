@@ -296,12 +296,14 @@ def merge_labels(labels: jax.Array, component: jax.Array, ghosts: Ghosts, n: int
     return done.labels, done.rounds
 
 
-def boundary_totals(parts: Partial, label: jax.Array, boundary: jax.Array, rank: Any, size: int, capacity: int,
-                    box: jax.Array | None) -> tuple[jax.Array, Partial, jax.Array, jax.Array, jax.Array, jax.Array]:
+def boundary_totals(parts: Partial | jax.Array, label: jax.Array, boundary: jax.Array, rank: Any, size: int,
+                    capacity: int, box: jax.Array | None
+                    ) -> tuple[jax.Array, Partial | None, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Totals of the groups that cross devices, summed on device ``label % size``.
 
     Args:
-        parts: per-component sums of this device's own members (`(N,)` rows).
+        parts: per-component sums of this device's own members (`(N,)` rows), or only their `(N,)` member counts
+            (labels only: ``home`` is then None).
         label: `(N,)` settled label of each component.
         boundary: `(N,)` components that hold own members and ghosts (pieces of groups crossing devices).
         rank: this device's rank.
@@ -318,7 +320,8 @@ def boundary_totals(parts: Partial, label: jax.Array, boundary: jax.Array, rank:
     send_num = jnp.sum(boundary, dtype=jnp.int32)
     sel = true_positions(boundary, capacity, 0)
     sel = sel.astype(jnp.int32)
-    tree = {"label": label[sel], **{f"p_{k}": v[sel] for k, v in parts._asdict().items()}}
+    fields = parts._asdict() if isinstance(parts, Partial) else {"count": parts}
+    tree = {"label": label[sel], **{f"p_{k}": v[sel] for k, v in fields.items()}}
     got, recv_counts, overflow, perm, back_plan = exchange_columns(
         tree, label[sel] % size, num=jnp.minimum(send_num, capacity), size=size, capacity=capacity,
         chunk=boundary_chunk(capacity, size))
@@ -329,12 +332,17 @@ def boundary_totals(parts: Partial, label: jax.Array, boundary: jax.Array, rank:
     sorted_label, order = sort_words(got_label)  # labels >= 0
     new = jnp.concatenate([jnp.ones((1,), bool), sorted_label[1:] != sorted_label[:-1]])
     segment = jnp.cumsum(new.astype(jnp.int32)) - 1
-    pieces = Partial(*(got[f"p_{k}"][order] for k in Partial._fields))
-    home = combine(pieces, segment, valid[order], capacity, box)
+    if isinstance(parts, Partial):
+        pieces = Partial(*(got[f"p_{k}"][order] for k in Partial._fields))
+        home: Partial | None = combine(pieces, segment, valid[order], capacity, box)
+        home_count = home.count
+    else:
+        home = None
+        home_count = jax.ops.segment_sum(jnp.where(valid[order], got["p_count"][order], 0), segment, capacity)
     home_first = jnp.arange(capacity) < jnp.sum(new & valid[order])
     home_label = jnp.full((capacity,), INT_MAX, jnp.int32).at[segment].min(sorted_label)
     # Totals back to the senders of the pieces along the reverse route: they arrive in the order sent (``perm``).
-    total = jnp.zeros((capacity,), jnp.int32).at[order].set(home.count[segment])
+    total = jnp.zeros((capacity,), jnp.int32).at[order].set(home_count[segment])
     back, _, back_overflow = send_grouped({"count": total}, recv_counts, capacity=capacity, plan=back_plan,
                                           chunk=boundary_chunk(capacity, size))
     live = jnp.arange(capacity, dtype=jnp.int32) < jnp.minimum(send_num, capacity)

@@ -45,6 +45,7 @@ class _Static(NamedTuple):
     box: float | tuple[float, ...] | None
     min_members: int
     tuning: Tuning
+    catalogue: bool
 
 
 def _global_shape(part: Any) -> tuple[int, int]:
@@ -65,7 +66,7 @@ def _smap_body(treedef: Any, static: _Static, sizes: Buffers) -> Callable[..., A
         valid = jnp.arange(n) < view.num
         bad = jnp.sum(valid & ~jnp.all(jnp.isfinite(view.pos), axis=1)).astype(jnp.int32)
         res = fof(local, static.linking_length, box=static.box, min_members=static.min_members,
-                  tuning=static.tuning, **sizes._asdict())
+                  tuning=static.tuning, catalogue=static.catalogue, **sizes._asdict())
         # One all-gather for every flag (across processes each collective costs milliseconds), after FoF's last
         # collective: two that do not depend on each other could run in different orders on different devices.
         spans = [local_span(view.pos, view.num)] if static.box is not None else []  # checked after the call
@@ -92,8 +93,8 @@ def global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., F
 
     The returned function takes the arguments of :func:`fof` (``linking_length`` and ``box`` as Python numbers: a
     new value recompiles) and returns a :class:`FofResult` in the global view (``labels (ndev, n)``, catalogue
-    fields ``(ndev, g, ...)``). ``part`` is a global particle pytree or a plain ``(ndev, n, d)`` position array
-    (every row a particle).
+    fields ``(ndev, g, ...)``; None with ``catalogue=False``). ``part`` is a global particle pytree or a plain
+    ``(ndev, n, d)`` position array (every row a particle).
 
     Buffers left unset are sized automatically: ``halo_capacity`` starts at ``max(n // 16, 1024)`` rows and
     ``sort_capacity`` at ``n``, and when a device needs more of any unset buffer (``edge_capacity``,
@@ -116,8 +117,11 @@ def global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., F
 
     def call(part: Any, linking_length: float, *, box: Any = None, min_members: int = 20,
              max_groups: int | None = None, edge_capacity: int | None = None, halo_capacity: int | None = None,
-             sort_capacity: int | None = None, tuning: Tuning | TuningName | None = None) -> FofResult:
+             sort_capacity: int | None = None, tuning: Tuning | TuningName | None = None,
+             catalogue: bool = True) -> FofResult:
         tuning = resolve(tuning, "fof.smap", None if mesh is None else mesh.devices)
+        if not isinstance(catalogue, bool):
+            raise TypeError(f"fof.smap: catalogue must be True or False (False: labels only), got {catalogue!r}")
         ndev, n = _global_shape(part)
         pos = part if isinstance(part, jax.Array | np.ndarray) else part.pos
         if isinstance(linking_length, bool) or not isinstance(linking_length, int | float | np.floating):
@@ -130,10 +134,10 @@ def global_fof(mesh: Mesh | None = None, *, jit: bool = True) -> Callable[..., F
             if pos is part:
                 part = Particles(pos=jnp.asarray(pos), num=jnp.ones((1,), jnp.int32))
             res = call(pad_global(part, 1), linking_length, box=box, min_members=min_members, tuning=tuning,
-                       **requested._asdict())
+                       catalogue=catalogue, **requested._asdict())
             return res._replace(labels=res.labels[:, :1])
         static_box = None if box is None else (float(box) if np.ndim(box) == 0 else tuple(np.asarray(box).tolist()))
-        static = _Static(float(linking_length), static_box, min_members, tuning)
+        static = _Static(float(linking_length), static_box, min_members, tuning, catalogue)
         leaves, treedef = jax.tree.flatten(part)
         auto = grown.setdefault((treedef, n, *static, *requested), {})
         for _ in range(_AUTO_ROUNDS):
