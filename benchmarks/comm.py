@@ -10,7 +10,8 @@ Run everything (launches its own processes):
     python benchmarks/comm.py --mpich /opt/shardax-mpich   # the same under MPICH's mpiexec (mpi4py pointed at it)
 
 Each `mpirun -n 2` launch measures, side by side in the same two processes: an allreduce of 1e6 float32 per device
-through mpi4py, mpi4jax (if installed) and sx.comm over each transport (MPI, which sx.initialize() picks under
+through mpi4py, mpi4jax (if installed; with several devices per process also an allreduce of all the process's
+floats on one device, the same bytes per process as sx.comm moves) and sx.comm over each transport (MPI, which sx.initialize() picks under
 mpirun when mpi4py is installed, then gloo), and an alltoallv of 2 MiB per device (balanced random counts) through
 sx.comm over each transport and mpi4py's Alltoallv of the same rows between the processes, and, as the floor of
 any XLA program with outputs of these sizes, ``v * 2`` of the same arrays. Timings are medians.
@@ -29,6 +30,7 @@ import time
 import numpy as np
 
 N_FLOATS = 1_000_000
+SAME_BYTES = "mpi4jax allreduce, the process's floats (jit)"
 
 
 def _interleaved_ms(cases: dict, rounds: int = 8, repeats: int = 5, warmup: int = 3) -> dict[str, float]:
@@ -74,6 +76,11 @@ def allreduce_worker(cpu_devices: int) -> None:
         a = jax.device_put(jnp.ones(N_FLOATS, jnp.float32), dev)
         f = jax.jit(lambda v: mpi4jax.allreduce(v, op=MPI.SUM, comm=comm))
         cases["mpi4jax allreduce (jit)"] = lambda: f(a).block_until_ready()
+        if w.local_device_count > 1:
+            # The same bytes per process as sx.comm moves with several devices: all the process's floats (one
+            # block per device) on one device, the only layout mpi4jax has.
+            whole = jax.device_put(jnp.ones(w.local_device_count * N_FLOATS, jnp.float32), dev)
+            cases[SAME_BYTES] = lambda: f(whole).block_until_ready()
     except ImportError:
         pass
 
@@ -359,10 +366,13 @@ def main() -> None:
         ref_v = ms.get("mpi4py Alltoallv 2 MiB/device")
         print(f"\n2 processes, {m} CPU device(s) per process, transport chosen: {res['transport']} (median ms); "
               f"allreduce of {N_FLOATS:.0e} float32 per device")
+        same = ms.get(SAME_BYTES)
         for name, t in ms.items():
             base, label = (ref_v, "mpi4py Alltoallv") if "lltoallv" in name else (ref, "mpi4jax")
             ratio = f"  {t / base:5.2f}x {label}" if base else ""
-            print(f"  {name:<42s} {t:8.2f}{ratio}")
+            if same and name.startswith("sx.comm.allreduce"):
+                ratio += f", {t / same:5.2f}x mpi4jax with the same bytes per process"
+            print(f"  {name:<46s} {t:8.2f}{ratio}")
     if args.kernels:
         res = _mpirun_worker("--kernels-worker", str(args.kernels))
         report["kernels"] = res
