@@ -78,10 +78,11 @@ def test_mixed_periodic_meshes(mixed, mesh) -> None:
     compare_catalogues(got, cat)
 
 
-@pytest.mark.parametrize("shape", [(), (8,), (2, 4)], ids=["local", "8", "2x4"])
+@pytest.mark.parametrize("shape", [(), (8,)], ids=["local", "8"])
 def test_labels_only(mixed, shape: tuple[int, ...]) -> None:
     """``catalogue=False``: the same labels as SciPy (and as with the catalogue) and no catalogue, in the local view
-    and on meshes of 8 devices, where the mixed data's groups cross devices and the box edge."""
+    and on 8 devices, where the mixed data's groups cross devices and the box edge (2 processes x 4 devices:
+    tests/test_fof_multiprocess.py)."""
     data, want, _ = mixed
     if shape:
         mesh = make_mesh(shape)
