@@ -224,9 +224,13 @@ def test_cpu_programs_of_several_devices_are_shared_and_cached_when_ordered(tmp_
     # A program whose key differs between the processes (a constant of each process's own) is waited for in vain by
     # process 1, which then compiles it itself (after 3 s here): it gets its own constant, 1 per row.
     monkeypatch.setenv("JAX_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS", "3000")
-    want = {  # (run, process, program) -> (cache hits, programs this process compiled, total)
-        (0, 0, "ordered"): (0, 1, 65), (0, 1, "ordered"): (0, 0, 65), (0, 0, "unordered"): (0, 1, 65),
-        (0, 1, "unordered"): (0, 1, 65), (0, 0, "per_process"): (0, 1, 60), (0, 1, "per_process"): (0, 1, 65),
+    # (run, process, program) -> (cache hits, programs this process compiled, total). On the first run process 1
+    # finds a program of process 0's in the cache when it asks after process 0 has handed it over and written it
+    # (a loaded machine): either way it compiles the ordered program never and the unordered one itself.
+    either = (0, 1)
+    want = {
+        (0, 0, "ordered"): (0, 1, 65), (0, 1, "ordered"): (either, 0, 65), (0, 0, "unordered"): (0, 1, 65),
+        (0, 1, "unordered"): (either, 1, 65), (0, 0, "per_process"): (0, 1, 60), (0, 1, "per_process"): (0, 1, 65),
         (1, 0, "ordered"): (1, 0, 65), (1, 1, "ordered"): (1, 0, 65), (1, 0, "unordered"): (1, 1, 65),
         (1, 1, "unordered"): (1, 1, 65), (1, 0, "per_process"): (1, 0, 60), (1, 1, "per_process"): (0, 1, 65)}
     for run in range(2):
@@ -237,5 +241,7 @@ def test_cpu_programs_of_several_devices_are_shared_and_cached_when_ordered(tmp_
                 continue
             line = next(line for line in result.output.splitlines() if f"process {rank} {name}:" in line)
             # 4 devices x 5 rows x 3 (all-reduce) + 5 (all-reduce of the max, or the process's constant)
-            assert f"hits {hits} compiled {compiled} cached True total {total}.0" in line, (run, line)
+            allowed = hits if isinstance(hits, tuple) else (hits,)
+            assert any(f"hits {h} compiled {compiled} cached True total {total}.0" in line for h in allowed), \
+                (run, line)
     assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
