@@ -1,6 +1,7 @@
 """Benchmark: the first call of each kernel on 8 CPU devices in one process, and where its time goes.
 
-Each kernel (``zsort.smap``, ``knn.smap`` (k = 9), ``fof.smap`` (b = 0.2 mean spacings), ``paint``, ``fftn``,
+Each kernel (``zsort.smap``, ``knn.smap`` (k = 9), ``fof.smap`` (b = 0.2 mean spacings; ``fof-labels``: with
+``catalogue=False``), ``paint``, ``fftn``,
 ``potrs``) runs in a fresh process with 8 CPU devices (``--devices``), on the global function a user calls. For its
 first call the table gives the wall time, and the seconds JAX spent tracing (jaxpr), lowering (jaxpr to StableHLO)
 and compiling (XLA) summed over every program that call compiled (JAX's own ``/jax/core/compile/*`` duration
@@ -30,7 +31,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-KERNELS = ("zsort", "knn", "fof", "paint", "fftn", "potrs")
+KERNELS = ("zsort", "knn", "fof", "fof-labels", "paint", "fftn", "potrs")
 _EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
            "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
            "/jax/core/compile/backend_compile_duration": "compile_s"}
@@ -60,7 +61,7 @@ def _call(kernel: str, args: argparse.Namespace) -> Any:
     mesh = sx.flat_mesh()
     rng = np.random.default_rng(0)
     n, g = args.particles, args.grid
-    if kernel in ("zsort", "knn", "fof", "paint"):
+    if kernel in ("zsort", "knn", "fof", "fof-labels", "paint"):
         part = sx.particles.from_numpy(rng.random((n, 3), dtype=np.float32), mesh=mesh)
         jax.block_until_ready(part)
         if kernel == "zsort":
@@ -69,10 +70,11 @@ def _call(kernel: str, args: argparse.Namespace) -> Any:
         if kernel == "knn":
             fn = sx.spatial.knn.smap(mesh)
             return lambda: fn(part, 9, box=1.0)
-        if kernel == "fof":
+        if kernel in ("fof", "fof-labels"):
             fn = sx.spatial.fof.smap(mesh)
             linking_length = 0.2 / n ** (1 / 3)
-            return lambda: fn(part, linking_length, box=1.0)
+            catalogue = kernel == "fof"  # fof-labels: labels only (catalogue=False)
+            return lambda: fn(part, linking_length, box=1.0, catalogue=catalogue)
         return lambda: sx.fields.paint(part, (g, g, g), box=1.0, mesh=mesh)
     if kernel == "fftn":
         field = jax.device_put(rng.standard_normal((g, g, g)).astype(np.complex64), NamedSharding(mesh, P("d")))
