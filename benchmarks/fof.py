@@ -116,14 +116,16 @@ def step_counts(pos: np.ndarray, linking_length: float, tuning: str | None = Non
     return {name: count for name, count in steps.items() if count}
 
 
-def temporaries(pos: np.ndarray, linking_length: float, tuning: str | None = None) -> float | None:
-    """XLA's temporaries of the compiled 1-device call (buffers beyond its inputs and outputs), bytes per point."""
+def temporaries(pos: np.ndarray, linking_length: float, tuning: str | None = None,
+                catalogue: bool = True) -> float | None:
+    """XLA's temporaries of the compiled 1-device call (buffers beyond its inputs and outputs), bytes per point
+    (``catalogue=False``: of the labels-only call)."""
     import jax
     import jax.numpy as jnp
 
     from shardax.spatial._fof import fof
 
-    fn = jax.jit(lambda p: fof(p, linking_length, box=1.0, min_members=2, tuning=tuning))
+    fn = jax.jit(lambda p: fof(p, linking_length, box=1.0, min_members=2, tuning=tuning, catalogue=catalogue))
     stats = fn.lower(jnp.asarray(pos)).compile().memory_analysis()
     return None if stats is None else stats.temp_size_in_bytes / len(pos)
 
@@ -217,10 +219,11 @@ def main() -> None:
         steps = step_counts(pos, ll, ns.tuning)
         case["steps"] = steps
         temp = temporaries(pos, ll, ns.tuning)
-        case["temp_bytes"] = temp
+        labels_temp = temporaries(pos, ll, ns.tuning, catalogue=False)
+        case["temp_bytes"], case["labels_only_temp_bytes"] = temp, labels_temp
         results["cases"][f"b={b}"] = case
         single = case["shardax 1 dev"]
-        timed = {k: v for k, v in case.items() if k not in ("steps", "temp_bytes")}
+        timed = {k: v for k, v in case.items() if k not in ("steps", "temp_bytes", "labels_only_temp_bytes")}
         print(f"b={b}: " + ", ".join(f"{k} {v:.3f}{'' if 'ghost' in k else ' s'}" for k, v in timed.items())
               + f" | 1 dev / scipy = {single / case['scipy']:.2f}x, 8 dev / 1 dev = "
               f"{case['shardax 8 dev'] / single:.2f}x"
@@ -228,7 +231,8 @@ def main() -> None:
                  f"{case[f'shardax {ns.processes}x4'] / case[f'shardax 1 dev, {ns.processes}x4 launch']:.2f}x"
                  if ns.processes else "")
               + f" | 1-device loop steps: {steps}"
-              + ("" if temp is None else f", temporaries {temp:.0f} B per point"), flush=True)
+              + ("" if temp is None else f", temporaries {temp:.0f} B per point")
+              + ("" if labels_temp is None else f" ({labels_temp:.0f} B labels only)"), flush=True)
     # Surface scaling of the exchange: ghost rows per device at n / 8 and n, on 8 devices.
     small = max(ns.n // 8, 1000)
     pos_small = points(small, ns.data, 1)

@@ -525,7 +525,7 @@ def fof_steps(part: Any, linking_length: float, **options: Any) -> tuple[dict[st
 
     On a GPU every loop step costs a fixed fraction of a millisecond whatever it holds, so these counts, not the
     work, set the time of a large call. Runs ``fof`` under ``jax.jit`` with the given keyword ``options`` (``box``,
-    ``tuning``, capacities, ...).
+    ``tuning``, capacities, ``catalogue``, ...).
 
     Returns:
         ``(steps, result)``: ``steps`` is ``{"sort", "links", "sweeps", "hooks", "jumps", "ghosts", "merges"}``,
@@ -542,7 +542,7 @@ def fof_steps(part: Any, linking_length: float, **options: Any) -> tuple[dict[st
         (1, [0, 0, 2, 2])
     """
     defaults = {"box": None, "min_members": 20, "max_groups": None, "edge_capacity": None, "halo_capacity": None,
-                "sort_capacity": None, "tuning": None}
+                "sort_capacity": None, "tuning": None, "catalogue": True}
     unknown = sorted(set(options) - set(defaults))
     if unknown:
         raise TypeError(f"fof_steps: unexpected options {unknown}; it takes {sorted(defaults)}")
