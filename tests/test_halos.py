@@ -226,7 +226,7 @@ def test_cpu_programs_of_several_devices_are_shared_and_cached_when_ordered(tmp_
     monkeypatch.setenv("JAX_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS", "3000")
     # (run, process, program) -> (cache hits, programs this process compiled, total). On the first run process 1
     # finds a program of process 0's in the cache when it asks after process 0 has handed it over and written it
-    # (a loaded machine): either way it compiles the ordered program never and the unordered one itself.
+    # (a loaded machine): either way it never compiles the ordered program, and compiles the unordered one itself.
     either = (0, 1)
     want = {
         (0, 0, "ordered"): (0, 1, 65), (0, 1, "ordered"): (either, 0, 65), (0, 0, "unordered"): (0, 1, 65),
