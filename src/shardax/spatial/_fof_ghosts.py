@@ -314,13 +314,15 @@ def boundary_totals(parts: Partial | jax.Array, label: jax.Array, boundary: jax.
     Returns:
         ``(count, home, home_label, home_first, needed, overflow)``: ``count (N,)`` the total member count of each
         boundary component's group (0 elsewhere); ``home`` the combined sums of the groups this device is home to
-        (`(capacity,)` rows, valid where ``home_first``), with ``home_label``; rows needed and an overflow flag.
+        (`(capacity,)` rows, valid where ``home_first``; None when ``parts`` holds only counts), with
+        ``home_label``; rows needed and an overflow flag.
     """
     big = label.shape[0]
     send_num = jnp.sum(boundary, dtype=jnp.int32)
     sel = true_positions(boundary, capacity, 0)
     sel = sel.astype(jnp.int32)
-    fields = parts._asdict() if isinstance(parts, Partial) else {"count": parts}
+    sums = isinstance(parts, Partial)  # else only the member counts travel
+    fields = parts._asdict() if sums else {"count": parts}
     tree = {"label": label[sel], **{f"p_{k}": v[sel] for k, v in fields.items()}}
     got, recv_counts, overflow, perm, back_plan = exchange_columns(
         tree, label[sel] % size, num=jnp.minimum(send_num, capacity), size=size, capacity=capacity,
@@ -332,7 +334,7 @@ def boundary_totals(parts: Partial | jax.Array, label: jax.Array, boundary: jax.
     sorted_label, order = sort_words(got_label)  # labels >= 0
     new = jnp.concatenate([jnp.ones((1,), bool), sorted_label[1:] != sorted_label[:-1]])
     segment = jnp.cumsum(new.astype(jnp.int32)) - 1
-    if isinstance(parts, Partial):
+    if sums:
         pieces = Partial(*(got[f"p_{k}"][order] for k in Partial._fields))
         home: Partial | None = combine(pieces, segment, valid[order], capacity, box)
         home_count = home.count
