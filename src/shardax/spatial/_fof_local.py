@@ -42,7 +42,7 @@ from .._order import after
 from .._wordsort import argsort_words
 from ..core import vary_like
 from ._fof_tuning import DEFAULT_TUNING, Tuning, step_sizes
-from ._grid import Domain, Grid, cell_coords, cell_keys, open_domain, unwrapped_piece
+from ._grid import Domain, Grid, cell_coords, cell_keys, cell_starts, open_domain, unwrapped_piece
 
 # Cell keys are int32: the product of the cell counts must stay below 2**31.
 _MAX_CELLS = {2: 2**15 - 1, 3: 2**10 - 1}
@@ -165,17 +165,6 @@ def _cumsum(x: jax.Array, width: int = 128) -> jax.Array:
     return (within + before[:, None]).reshape(-1)[:n]
 
 
-def _starts_of_sorted(keys: jax.Array, table_cells: int, num: jax.Array) -> jax.Array:
-    """The cell-start table `(table_cells + 1,)` of keys sorted ascending (padding ``table_cells`` last): each
-    cell's first row is written once by the row that opens it (distinct addresses), and a reverse running minimum
-    gives the empty cells the start of the next occupied one (``num``, the valid rows, past the last)."""
-    n = keys.shape[0]
-    opens = jnp.concatenate([jnp.ones((1,), bool), keys[1:] != keys[:-1]]) & (keys < table_cells)
-    first = jnp.full((table_cells + 1,), num, jnp.int32)
-    first = first.at[jnp.where(opens, keys, table_cells + 1)].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
-    return lax.cummin(first, reverse=True)
-
-
 class _Deal(NamedTuple):
     """Carry of the counting sort's rounds: the round, the rank within its cell of each point of the remainder,
     which of them still wait, and the winning ticket of each cell."""
@@ -211,7 +200,7 @@ def sort_points(pos: jax.Array, valid: jax.Array, space: LinkSpace, grid: Grid, 
     if rounds < 1:
         rows = comparison()
         sorted_keys = keys[rows]
-        starts = _starts_of_sorted(sorted_keys, table_cells, jnp.sum(valid, dtype=jnp.int32))
+        starts = cell_starts(sorted_keys, table_cells, jnp.sum(valid, dtype=jnp.int32))
         return SortedPoints(sorted_keys, rows, pos[rows], starts, jnp.int32(0))
 
     # Padding rows are not counted (their key's count is never read): no scatter onto one address.

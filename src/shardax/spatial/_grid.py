@@ -89,16 +89,46 @@ def wrap(pos: jax.Array, domain: Domain) -> jax.Array:
     return jnp.where(rel >= box, rel - box, rel)  # mod of a tiny negative can round up to box
 
 
-def make_grid(domain: Domain, num: jax.Array, per_cell: float, level: jax.Array) -> Grid:
-    """The grid of refinement ``level`` (0: about ``per_cell`` of ``num`` points per cell; +1 halves the cell volume)."""
+def make_grid(domain: Domain, num: jax.Array, per_cell: float, level: jax.Array,
+              max_cells: int | None = None) -> Grid:
+    """The grid of refinement ``level`` (0: about ``per_cell`` of ``num`` points per cell; +1 halves the cell volume).
+
+    ``max_cells`` (static) caps the total cell count of the grids of ``level <= 0``, so a table of that many cells
+    covers them (see :func:`cell_starts`): it binds only where the domain is nearly flat along an axis, whose cell
+    count the floor of one cell per axis would otherwise inflate. Each axis in turn keeps at most what the cap
+    leaves it; any grid gives the same answers.
+    """
     dim = domain.extent.shape[0]
     ext = jnp.maximum(domain.extent, jnp.max(domain.extent) * 1e-6)
     volume = jnp.prod(ext.astype(jnp.float32))
     side = (volume * per_cell / jnp.maximum(num, 1).astype(jnp.float32)) ** (1.0 / dim)
     side = side * jnp.exp2(-level.astype(jnp.float32) / 3)
     cells = jnp.clip(jnp.floor(ext.astype(jnp.float32) / side), 1, MAX_CELLS_PER_AXIS[dim]).astype(jnp.int32)
+    if max_cells is not None:
+        capped, room = [], jnp.int32(max_cells)
+        for axis in range(dim):
+            c = jnp.where(level <= 0, jnp.clip(cells[axis], 1, jnp.maximum(room, 1)), cells[axis])
+            capped.append(c)
+            room = room // c
+        cells = jnp.stack(capped)
     stride = jnp.concatenate([jnp.ones((1,), jnp.int32), jnp.cumprod(cells, dtype=jnp.int32)[:-1]])
     return Grid(cells, (domain.extent / cells.astype(domain.extent.dtype)), stride)
+
+
+def cell_starts(keys: jax.Array, table_cells: int, num: jax.Array) -> jax.Array:
+    """The cell-start table `(table_cells + 1,)` int32 of ``keys`` `(n,)` sorted ascending, whose ``num`` valid rows
+    come first (the others hold a key of at least ``table_cells``): entry ``c`` is the first row at or after key
+    ``c`` (``jnp.searchsorted(keys, c)`` for ``c`` up to the last valid key, ``num`` past it), so the rows of the
+    cells ``[a, b]`` are ``starts[a] : starts[b + 1]``: one gather instead of a binary search per run.
+
+    Each cell's first row is written once by the row that opens it (distinct addresses: no atomics, nothing that
+    serialises on a GPU), and a reverse running minimum gives the empty cells the start of the next occupied one.
+    """
+    n = keys.shape[0]
+    opens = jnp.concatenate([jnp.ones((1,), bool), keys[1:] != keys[:-1]]) & (keys < table_cells)
+    first = jnp.full((table_cells + 1,), num, jnp.int32)
+    first = first.at[jnp.where(opens, keys, table_cells + 1)].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+    return lax.cummin(first, reverse=True)
 
 
 def cell_coords(pos: jax.Array, domain: Domain, grid: Grid) -> jax.Array:

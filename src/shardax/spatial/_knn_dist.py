@@ -52,14 +52,60 @@ class _Carrier:
 
 
 def _inside(pos: jax.Array, lo: jax.Array, hi: jax.Array, box: jax.Array | None) -> jax.Array:
-    """`(n, B)`: whether each row of `pos: (n, d)` lies in each box `[lo, hi]: (B, d)` (any periodic image)."""
-    p = pos[:, None, :]
-    lo, hi = lo[None, :, :], hi[None, :, :]
+    """`(..., B)`: whether each row of `pos: (..., d)` lies in each box `[lo, hi]: (..., B, d)` (any periodic
+    image)."""
+    p = pos[..., None, :]
+    lo, hi = (x.reshape((1,) * (p.ndim - x.ndim) + x.shape) for x in (lo, hi))
     hit = (p >= lo) & (p <= hi)
     if box is not None:
-        b = box[None, None, :]
+        b = box.reshape((1,) * (p.ndim - 1) + box.shape)
         hit = hit | ((p + b >= lo) & (p + b <= hi)) | ((p - b >= lo) & (p - b <= hi))
     return jnp.all(hit, axis=-1)
+
+
+def _overlap(a: jax.Array, b: jax.Array, lo: jax.Array, hi: jax.Array, box: jax.Array | None) -> jax.Array:
+    """`(R, B)`: whether a point of each box `[a, b]: (R, d)` may lie in each box `[lo, hi]: (B, d)` by
+    :func:`_inside` (an image per axis; in floats, ``p >= a`` gives ``p + box >= a + box``: never too few)."""
+    a, b, lo, hi = a[:, None, :], b[:, None, :], lo[None, :, :], hi[None, :, :]
+    hit = (a <= hi) & (b >= lo)
+    if box is not None:
+        x = box[None, None, :]
+        hit = hit | ((a + x <= hi) & (b + x >= lo)) | ((a - x <= hi) & (b - x >= lo))
+    return jnp.all(hit, axis=-1)
+
+
+# Remote boxes a run's rows are tested against (the grown boxes its own box meets); a run that meets more sends
+# every row through the test against all boxes.
+_RUN_BOXES = 48
+
+
+def _destinations(zpos: jax.Array, run: jax.Array, lo: jax.Array, hi: jax.Array, boxes_lo: jax.Array,
+                  boxes_hi: jax.Array, box: jax.Array | None, rank: jax.Array | int, size: int) -> jax.Array:
+    """`(n, size)`: whether each row lies in a grown box `(size * chunks, d)` of each other device.
+
+    A row can only lie in the boxes that its run's box ``[lo, hi]`` `(chunks, d)` meets, a few of the
+    ``size * chunks``: each run lists those (at most ``_RUN_BOXES``, else every row takes the whole test) and its
+    rows are tested against them only.
+    """
+    n = zpos.shape[0]
+    chunks = lo.shape[0]
+    owner = jnp.arange(size * chunks, dtype=jnp.int32) // chunks
+    meets = _overlap(lo, hi, boxes_lo, boxes_hi, box) & (owner != rank)[None, :]
+    width = min(_RUN_BOXES, size * chunks)
+    listed = jax.vmap(lambda m: positions_of(m, width, size * chunks))(meets)  # (chunks, width), then a fill
+    fits = jnp.max(jnp.sum(meets, axis=1)) <= width
+
+    def listed_only() -> jax.Array:
+        which = listed[run]  # (n, width)
+        at = jnp.minimum(which, size * chunks - 1)
+        hit = _inside(zpos, boxes_lo[at], boxes_hi[at], box) & (which < size * chunks)
+        device = jnp.where(which < size * chunks, owner[at], size)
+        return jnp.any(hit[:, :, None] & (device[:, :, None] == jnp.arange(size)[None, None, :]), axis=1)
+
+    def every_box() -> jax.Array:
+        return jnp.any(_inside(zpos, boxes_lo, boxes_hi, box).reshape(n, size, chunks), axis=-1)
+
+    return lax.cond(fits, listed_only, every_box)
 
 
 class Flags(NamedTuple):
@@ -192,8 +238,8 @@ def _with_ghosts(zpos: jax.Array, zvalid: jax.Array, zids: jax.Array, k: int, bo
     grow = jax.ops.segment_max(jnp.where(zvalid, radius, -big), run, num_segments=chunks)
     boxes_lo, boxes_hi = (b.reshape(size * chunks, dim) for b in gather_together([lo - grow[:, None],
                                                                                    hi + grow[:, None]]))
-    hit = _inside(zpos, boxes_lo, boxes_hi, boxv).reshape(n, size, chunks)
-    to = jnp.any(hit, axis=-1) & zvalid[:, None] & (jnp.arange(size)[None, :] != rank)
+    to = (_destinations(zpos, run, lo, hi, boxes_lo, boxes_hi, boxv, rank, size) & zvalid[:, None]
+          & (jnp.arange(size)[None, :] != rank))
 
     pairs = to.T.reshape(-1)
     wanted = jnp.sum(pairs, dtype=jnp.int32)

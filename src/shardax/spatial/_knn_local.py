@@ -99,6 +99,7 @@ class _Problem(NamedTuple):
     k: int
     size: Sizes
     subset: int  # queries per compacted pass
+    table: int  # cells of the grids of level <= 0 at most (the first pass looks its runs up in a table of them)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "tuning"))
@@ -181,11 +182,19 @@ def _prepare(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array, order:
     query_pos = wrap(query_pos, domain)
     grid_pos, query_grid_pos = (None, None) if piece is None else (piece.grid_pos, piece.query_grid_pos)
     count = jnp.sum(data_valid, dtype=jnp.int32)
-    grid0 = make_grid(domain, count, size.per_cell, jnp.int32(0))
-    data0 = sort_data(pos, data_valid, domain, grid0, grid_pos)
+    table = table_cells(pos.shape[0], size.per_cell)
+    grid0 = make_grid(domain, count, size.per_cell, jnp.int32(0), max_cells=table)
+    data0 = sort_data(pos, data_valid, domain, grid0, grid_pos, max_cells=table)
     m = query_pos.shape[0]
     return _Problem(pos, data_valid, query_pos, grid_pos, query_grid_pos, domain, count, grid0, data0, order, k=k,
-                    size=size, subset=min(m, max(size.later_queries, m // 16)))
+                    size=size, subset=min(m, max(size.later_queries, m // 16)), table=table)
+
+
+def table_cells(n: int, per_cell: float) -> int:
+    """Cells of the cell-start table of a first grid over ``n`` data rows (static): twice the cells the grid is
+    sized for, so the floor of the cell counts never reaches it but in nearly flat domains (where
+    :func:`~shardax.spatial._grid.make_grid` caps the grid to it)."""
+    return max(64, 2 * int(n / per_cell) + 2)
 
 
 def _adaptive_passes(problem: _Problem, first: PassResult, query_valid: jax.Array) -> _AdaptState:
@@ -207,7 +216,7 @@ def _adapt(problem: _Problem, state: _AdaptState) -> _AdaptState:
     active = state.active
     finer = 2 * jnp.sum(active & state.truncated) >= jnp.sum(active)
     level = jnp.where(finer, state.finest + 2, state.coarsest - 1)
-    grid = make_grid(problem.domain, problem.count, problem.size.per_cell, level)
+    grid = make_grid(problem.domain, problem.count, problem.size.per_cell, level, max_cells=problem.table)
     data = sort_data(problem.pos, problem.data_valid, problem.domain, grid, problem.grid_pos)
     res = grid_pass(data, problem.query_pos, active, domain=problem.domain, grid=grid, reach=1, k=problem.k,
                     tiles=problem.size.full, into=(state.dist2, state.rows), query_grid_pos=problem.query_grid_pos)
@@ -239,8 +248,8 @@ def _sweep(problem: _Problem, state: _SweepState) -> _SweepState:
     # suits it; a level repeats until it has tried every active query.
     m = problem.query_pos.shape[0]
     level = state.level
-    grid = make_grid(problem.domain, problem.count, problem.size.per_cell, level)
-    data = lax.cond(level == 0, lambda: vary_like(problem.data0, problem.query_pos),
+    grid = make_grid(problem.domain, problem.count, problem.size.per_cell, level, max_cells=problem.table)
+    data = lax.cond(level == 0, lambda: vary_like(problem.data0._replace(starts=None), problem.query_pos),
                     lambda: vary_like(sort_data(problem.pos, problem.data_valid, problem.domain, grid,
                                                 problem.grid_pos), problem.query_pos))
     picked = positions_of(state.active & ~state.tried, problem.subset, m)
@@ -270,9 +279,10 @@ def kth_distance_bound(pos: jax.Array, data_valid: jax.Array, *, k: int, box: ja
     domain = _domain(pos, data_valid, box, piece)
     pos = wrap(pos, domain)
     grid_pos = None if piece is None else piece.grid_pos
-    grid = make_grid(domain, jnp.sum(data_valid, dtype=jnp.int32), size.per_cell, jnp.int32(0))
-    res = grid_pass(sort_data(pos, data_valid, domain, grid, grid_pos), pos, data_valid, domain=domain, grid=grid,
-                    reach=1, k=k, tiles=size.full, query_grid_pos=grid_pos)
+    table = table_cells(pos.shape[0], size.per_cell)
+    grid = make_grid(domain, jnp.sum(data_valid, dtype=jnp.int32), size.per_cell, jnp.int32(0), max_cells=table)
+    res = grid_pass(sort_data(pos, data_valid, domain, grid, grid_pos, max_cells=table), pos, data_valid,
+                    domain=domain, grid=grid, reach=1, k=k, tiles=size.full, query_grid_pos=grid_pos)
     return jnp.where(data_valid, res.dist2[:, k - 1], jnp.inf)
 
 
@@ -305,13 +315,12 @@ def _brute_force(problem: _Problem, active: jax.Array, *,
     n = problem.pos.shape[0]
     m = problem.query_pos.shape[0]
     tile, chunk = min(problem.size.brute_tile, n), min(problem.size.brute_queries, m)
-    by_order = _tie_break_order(problem)
     num_active = jnp.sum(active, dtype=jnp.int32)
-    todo = jnp.pad(positions_of(active, m, m), (0, chunk), constant_values=m)
     init = vary_like(_Best(*into), problem.query_pos)
 
     def scan(chunk: int, tile: int, out: _Best) -> tuple[_Best, jax.Array]:
-        tiles = _ordered_tiles(problem, by_order, tile=tile)
+        todo = jnp.pad(positions_of(active, m, m), (0, chunk), constant_values=m)
+        tiles = _ordered_tiles(problem, _tie_break_order(problem), tile=tile)
         num_tiles = tiles.pos.shape[0]
 
         def run_chunk(c: jax.Array, out: _Best) -> _Best:
@@ -329,10 +338,16 @@ def _brute_force(problem: _Problem, active: jax.Array, *,
 
     few = min(chunk, _BRUTE_FEW)
     if few == chunk:
-        out, steps = scan(chunk, tile, init)
+        branches = [functools.partial(scan, chunk, tile)]
     else:
-        out, steps = lax.cond(num_active <= few, functools.partial(scan, few, min(tile * (chunk // few), n)),
-                              functools.partial(scan, chunk, tile), init)
+        branches = [functools.partial(scan, few, min(tile * (chunk // few), n)), functools.partial(scan, chunk, tile)]
+
+    def nothing(out: _Best) -> tuple[_Best, jax.Array]:
+        return out, vary_like(jnp.zeros((), jnp.int32), num_active)
+
+    # Nothing left (uniform data, nearly always): no tie-break sort of the data and no tiles.
+    pick = jnp.where(num_active == 0, 0, jnp.where(num_active <= few, 1, len(branches)))
+    out, steps = lax.switch(jnp.minimum(pick, len(branches)), [nothing, *branches], init)
     return out.dist2, out.rows, steps
 
 

@@ -3,7 +3,8 @@
 The data are sorted by cell key. Active queries, sorted the same way, are cut into blocks of at most ``block``
 consecutive queries that never cross a grid row (nor, in a compacted pass, skip an empty cell of it). A block's
 candidates are the cells ``[x0 - 1, x1 + 1]`` of the ``3**(d-1)`` rows around it: contiguous runs of the sorted
-data, packed into ``capacity`` slots and gathered once for the whole block. One dense `(block, capacity)` distance
+data (read from a table of each cell's first row in the first pass, else found by binary search),
+packed into ``capacity`` slots and gathered once for the whole block. One dense `(block, capacity)` distance
 tile and ``lax.top_k`` then give every query of the block its ``k + 1`` nearest candidates.
 
 A query's answer is certified exact when no candidate run was cut off by ``capacity``, its k-th distance is below
@@ -27,7 +28,7 @@ from jax import lax
 from .._nonzero import true_positions
 from .._wordsort import sort_words
 from ..core import vary_like
-from ._grid import SENTINEL_KEY, Domain, Grid, axis_margin, cell_coords, cell_keys
+from ._grid import SENTINEL_KEY, Domain, Grid, axis_margin, cell_coords, cell_keys, cell_starts
 from ._knn_tuning import Tiles
 
 
@@ -293,21 +294,26 @@ class _Answers(NamedTuple):
 
 
 class SortedData(NamedTuple):
-    """Data sorted by the cell keys of one grid: keys `(n,)`, original rows `(n,)`, positions `(n, d)`."""
+    """Data sorted by the cell keys of one grid: keys `(n,)`, original rows `(n,)`, positions `(n, d)`, and for a
+    grid of at most ``max_cells`` cells the first row of every cell (`(max_cells + 1,)`, see
+    :func:`~shardax.spatial._grid.cell_starts`), else None (the runs are searched for)."""
 
     keys: jax.Array
     rows: jax.Array
     pos: jax.Array
+    starts: jax.Array | None = None
 
 
 def sort_data(data_pos: jax.Array, data_valid: jax.Array, domain: Domain, grid: Grid,
-              grid_pos: jax.Array | None = None) -> SortedData:
+              grid_pos: jax.Array | None = None, max_cells: int | None = None) -> SortedData:
     """The valid data rows sorted by cell key (invalid rows last, with the sentinel key); the cells of ``grid_pos``
-    (default ``data_pos``: see :class:`~shardax.spatial._grid.Piece`)."""
+    (default ``data_pos``: see :class:`~shardax.spatial._grid.Piece`). With ``max_cells`` (a grid made with that
+    cap at a level <= 0) also the table of each cell's first row."""
     at = data_pos if grid_pos is None else grid_pos
     keys = jnp.where(data_valid, cell_keys(cell_coords(at, domain, grid), grid), SENTINEL_KEY)
     keys, rows = sort_words(keys)
-    return SortedData(keys, rows, data_pos[rows])
+    starts = None if max_cells is None else cell_starts(keys, max_cells, jnp.sum(data_valid, dtype=jnp.int32))
+    return SortedData(keys, rows, data_pos[rows], starts)
 
 
 def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, *, domain: Domain, grid: Grid,
@@ -342,7 +348,7 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, *, doma
     m = query_pos.shape[0]
     dtype = data.pos.dtype
     kk = k + 1
-    dkeys, dperm, dpos = data
+    dkeys, dperm, dpos, dstarts = data
 
     qcoords = cell_coords(query_pos if query_grid_pos is None else query_grid_pos, domain, grid)
     qkeys = jnp.where(active, cell_keys(qcoords, grid), SENTINEL_KEY)
@@ -383,7 +389,7 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, *, doma
         x1 = qcoords[jnp.clip(end - 1, 0, m - 1), 0]
 
         range_start, range_len = _candidate_runs(dkeys, first, x0, x1, grid=grid, offsets=offsets, reach=reach,
-                                                 domain=domain, search=tiles.search)
+                                                 domain=domain, search=tiles.search, starts=dstarts)
         cum = jnp.cumsum(range_len, axis=1)
         total = cum[:, -1]
         truncated = total > capacity
@@ -454,10 +460,11 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, *, doma
 
 
 def _candidate_runs(dkeys: jax.Array, first: jax.Array, x0: jax.Array, x1: jax.Array, *, grid: Grid,
-                    offsets: list[tuple[int, ...]], reach: int, domain: Domain,
-                    search: str) -> tuple[jax.Array, jax.Array]:
+                    offsets: list[tuple[int, ...]], reach: int, domain: Domain, search: str,
+                    starts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Start and length `(B, R)` in the sorted data of every run of candidate cells of each block (`first: (B, d)`
-    the cell of a block's first query, `x0, x1: (B,)` its first and last cell along axis 0)."""
+    the cell of a block's first query, `x0, x1: (B,)` its first and last cell along axis 0): read from the table
+    of cell ``starts`` where the data have one, else searched for in the sorted keys by ``search``."""
     gx = grid.cells[0]
     a, b = x0 - reach, x1 + reach
     wraps_x = domain.wraps(0)
@@ -502,6 +509,10 @@ def _candidate_runs(dkeys: jax.Array, first: jax.Array, x0: jax.Array, x1: jax.A
     lo_k = (base[:, :, None] + xa).reshape(runs)
     hi_k = (base[:, :, None] + xb + 1).reshape(runs)
     valid = (ok[:, :, None] & (xb >= xa)).reshape(runs)
-    found = jnp.searchsorted(dkeys, jnp.stack([lo_k, hi_k]), side="left", method=search).astype(jnp.int32)
+    bounds = jnp.stack([lo_k, hi_k])
+    if starts is not None:
+        found = starts[jnp.clip(bounds, 0, starts.shape[0] - 1)]
+    else:
+        found = jnp.searchsorted(dkeys, bounds, side="left", method=search).astype(jnp.int32)
     length = jnp.where(valid, found[1] - found[0], 0)
     return found[0], length

@@ -49,8 +49,9 @@ class KnnTuning:
         max_passes: full passes (three times as many compacted passes) before the brute force.
         brute_queries: queries per brute-force step.
         brute_tile: data rows per brute-force step.
-        search: ``jnp.searchsorted``'s method for the candidate runs in the sorted data (``"scan_unrolled"`` has
-            no sequential loop).
+        search: ``jnp.searchsorted``'s method for the candidate runs in the sorted data of the later passes'
+            grids (``"scan_unrolled"`` has no sequential loop; the first pass reads its runs from a table of
+            cell starts).
         slot_search: ``jnp.searchsorted``'s method for the run of each candidate slot among a block's runs
             (``"compare_all"`` compares every slot with every run; ``"scan_unrolled"`` needs memory per slot only).
         select: how each query picks its ``k + 1`` nearest candidates from a tile: ``"top_k"`` (``lax.top_k`` over
