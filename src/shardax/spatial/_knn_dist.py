@@ -105,7 +105,7 @@ def _destinations(zpos: jax.Array, run: jax.Array, lo: jax.Array, hi: jax.Array,
     def every_box() -> jax.Array:
         return jnp.any(_inside(zpos, boxes_lo, boxes_hi, box).reshape(n, size, chunks), axis=-1)
 
-    return lax.cond(fits, listed_only, every_box)
+    return lax.cond(fits, listed_only, every_box) & (jnp.arange(size) != rank)[None, :]
 
 
 class Flags(NamedTuple):
@@ -238,8 +238,7 @@ def _with_ghosts(zpos: jax.Array, zvalid: jax.Array, zids: jax.Array, k: int, bo
     grow = jax.ops.segment_max(jnp.where(zvalid, radius, -big), run, num_segments=chunks)
     boxes_lo, boxes_hi = (b.reshape(size * chunks, dim) for b in gather_together([lo - grow[:, None],
                                                                                    hi + grow[:, None]]))
-    to = (_destinations(zpos, run, lo, hi, boxes_lo, boxes_hi, boxv, rank, size) & zvalid[:, None]
-          & (jnp.arange(size)[None, :] != rank))
+    to = _destinations(zpos, run, lo, hi, boxes_lo, boxes_hi, boxv, rank, size) & zvalid[:, None]
 
     pairs = to.T.reshape(-1)
     wanted = jnp.sum(pairs, dtype=jnp.int32)

@@ -347,7 +347,7 @@ def _brute_force(problem: _Problem, active: jax.Array, *,
 
     # Nothing left (uniform data, nearly always): no tie-break sort of the data and no tiles.
     pick = jnp.where(num_active == 0, 0, jnp.where(num_active <= few, 1, len(branches)))
-    out, steps = lax.switch(jnp.minimum(pick, len(branches)), [nothing, *branches], init)
+    out, steps = lax.switch(pick, [nothing, *branches], init)
     return out.dist2, out.rows, steps
 
 
