@@ -86,6 +86,18 @@ def test_lattice_ties_by_index(box: float | None) -> None:
     np.testing.assert_array_equal(np.asarray(res.indices), ref_i)
 
 
+def test_lattice_ties_ordered_in_several_chunks() -> None:
+    # 4096 lattice points, every row tied (six neighbours at distance 1): the tie order runs in chunks of 1024 rows.
+    g = np.arange(16, dtype=np.float32)
+    pos = np.stack(np.meshgrid(g, g, g, indexing="ij"), -1).reshape(-1, 3)
+    pos = pos[np.random.default_rng(5).permutation(len(pos))]
+    ref_d, ref_i = reference.brute_knn(pos.astype(np.float64), 8, box=16.0)
+    for tuning in ("cpu", "gpu"):
+        res = knn(jnp.asarray(pos), 8, box=16.0, tuning=tuning)
+        np.testing.assert_allclose(np.asarray(res.distances), ref_d, rtol=1e-6)
+        np.testing.assert_array_equal(np.asarray(res.indices), ref_i)
+
+
 def test_duplicates_boundaries_and_k_equals_n() -> None:
     rng = np.random.default_rng(3)
     pos = rng.random((30, 3)).astype(np.float32)

@@ -311,9 +311,8 @@ def _search(part: Any, query: Any, box: Box, reduce: Reduce | None, options: _Se
         # (One all-gather for the three: collectives that do not depend on each other must not be left unordered.)
         pos, valid, ids = (x.reshape(-1, *x.shape[2:]) for x in _flags.gather_together([pos, valid, ids]))
 
-    dist2, rows = local_knn(pos, valid, qpos, qvalid, ids, k=k, box=boxv, tuning=tuning)
+    dist2, indices = local_knn(pos, valid, qpos, qvalid, ids, k=k, box=boxv, tuning=tuning)  # (ids, -1 for none)
     distances = jnp.sqrt(dist2)
-    indices = jnp.where(rows >= 0, ids[jnp.maximum(rows, 0)], -1)
     if reduce is not None:
         indices = reduce(distances=distances, indices=indices, part=qpart)
     no, zero = jnp.zeros((), bool), jnp.zeros((), jnp.int32)

@@ -162,14 +162,14 @@ def distributed_knn(part: Any, pos: jax.Array, valid: jax.Array, ids: jax.Array,
         zleaves[i] = field
     no = jnp.zeros((), bool)
     if size == 1:
-        dist2, found = local_knn(zpos, zvalid, zpos, zvalid, zids, k=k, box=boxv, tuning=tuning)
-        all_ids, wanted, received, ghost_overflow = zids, jnp.int32(0), jnp.int32(0), no
+        # (the neighbours' ids: local_knn answers with the labels it is given as `order`, -1 where none)
+        dist2, indices = local_knn(zpos, zvalid, zpos, zvalid, zids, k=k, box=boxv, tuning=tuning)
+        wanted, received, ghost_overflow = jnp.int32(0), jnp.int32(0), no
     else:
         runs = _aligned_runs(zpos, znum, zsorted.key_box, chunks)
-        dist2, found, all_ids, wanted, received, ghost_overflow = _with_ghosts(zpos, zvalid, zids, k, boxv, capacity,
-                                                                             runs, chunks, tuning)
+        dist2, indices, wanted, received, ghost_overflow = _with_ghosts(zpos, zvalid, zids, k, boxv, capacity, runs,
+                                                                        chunks, tuning)
     distances = jnp.sqrt(dist2)
-    indices = jnp.where(found >= 0, all_ids[jnp.maximum(found, 0)], -1)
     # The user's pytree in z-order (what ``reduce`` sees, and with ``ids`` what ``home=False`` returns).
     zpart = jax.tree.unflatten(treedef, zleaves)
     if num_leaf is not None:
@@ -221,7 +221,7 @@ def _aligned_runs(zpos: jax.Array, znum: jax.Array, kbox: KeyBox, chunks: int) -
 
 def _with_ghosts(zpos: jax.Array, zvalid: jax.Array, zids: jax.Array, k: int, boxv: jax.Array | None,
                  capacity: int, run: jax.Array, chunks: int, tuning: KnnTuning | None
-                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Steps 2-5 on z-sorted rows cut into ``run`` s: bound, exchange the ghost layer, exact kNN over own + ghost
     rows."""
     rank, size, _ = rank_info()
@@ -255,8 +255,8 @@ def _with_ghosts(zpos: jax.Array, zvalid: jax.Array, zids: jax.Array, k: int, bo
     # Every query's neighbours lie within its run's bound, in the run's grown box: the grid covers those boxes.
     piece = None if boxv is None else _piece(all_pos, all_valid, n, boxv, jnp.max(jnp.where(occupied, grow, 0)),
                                              lo - grow[:, None], hi + grow[:, None], occupied)
-    dist2, found = local_knn(all_pos, all_valid, zpos, zvalid, all_ids, k=k, box=boxv, tuning=tuning, piece=piece)
-    return dist2, found, all_ids, wanted, received, ghost_overflow
+    dist2, indices = local_knn(all_pos, all_valid, zpos, zvalid, all_ids, k=k, box=boxv, tuning=tuning, piece=piece)
+    return dist2, indices, wanted, received, ghost_overflow
 
 
 def _piece(pos: jax.Array, valid: jax.Array, queries: int, box: jax.Array, reach: jax.Array,

@@ -122,8 +122,10 @@ def local_knn(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array, query
         piece: with a periodic ``box``, grid a device's piece of it (and its ghosts) instead of the whole box.
 
     Returns:
-        ``(dist2, rows)``: `(m, k)` squared distances (ascending, ties by ``order``) and data row numbers;
-        invalid query rows, and neighbours missing when fewer than ``k`` data rows exist, hold ``inf`` and ``-1``.
+        ``(dist2, labels)``: `(m, k)` squared distances (ascending, ties by ``order``) and the neighbours'
+        ``order`` values (their global indices: the passes write them in place of row numbers, so the results need
+        no gather at the end); invalid query rows, and neighbours missing when fewer than ``k`` data rows exist,
+        hold ``inf`` and ``-1``.
     """
     return _search(pos, data_valid, query_pos, query_valid, order, k=k, box=box, tuning=tuning, piece=piece)[:2]
 
@@ -155,13 +157,13 @@ def _search(pos: jax.Array, data_valid: jax.Array, query_pos: jax.Array, query_v
     size = sizes(resolve(tuning, "local_knn"), pos.shape[1], k, m, pos.shape[0])
     problem = _prepare(pos, data_valid, query_pos, order, k=k, box=box, size=size, piece=piece)
     first = grid_pass(problem.data0, problem.query_pos, query_valid, domain=problem.domain, grid=problem.grid0,
-                      reach=1, k=k, tiles=size.full, query_grid_pos=problem.query_grid_pos)
+                      reach=1, k=k, tiles=size.full, query_grid_pos=problem.query_grid_pos, labels=order)
     adapted = _adaptive_passes(problem, first, query_valid)
     swept = _level_sweep(problem, adapted)
     dist2, rows, brute_steps = _brute_force(problem, swept.active, into=(swept.dist2, swept.rows))
-    dist2, rows = _order_ties(dist2, rows, order)
+    dist2, rows = _order_ties(dist2, rows)
     found = query_valid[:, None] & jnp.isfinite(dist2)
-    return (jnp.where(found, dist2, jnp.inf), jnp.where(found, rows, -1),
+    return (jnp.where(query_valid[:, None], dist2, jnp.inf), jnp.where(found, rows, -1),
             Steps(first.steps, adapted.steps, swept.steps, brute_steps))
 
 
@@ -219,7 +221,8 @@ def _adapt(problem: _Problem, state: _AdaptState) -> _AdaptState:
     grid = make_grid(problem.domain, problem.count, problem.size.per_cell, level, max_cells=problem.table)
     data = sort_data(problem.pos, problem.data_valid, problem.domain, grid, problem.grid_pos)
     res = grid_pass(data, problem.query_pos, active, domain=problem.domain, grid=grid, reach=1, k=problem.k,
-                    tiles=problem.size.full, into=(state.dist2, state.rows), query_grid_pos=problem.query_grid_pos)
+                    tiles=problem.size.full, into=(state.dist2, state.rows), query_grid_pos=problem.query_grid_pos,
+                    labels=problem.order)
     return _AdaptState(passes=state.passes + 1, finest=jnp.maximum(state.finest, level),
                        coarsest=jnp.minimum(state.coarsest, level), active=active & ~res.certified,
                        truncated=jnp.where(active, res.truncated, state.truncated), dist2=res.dist2, rows=res.rows,
@@ -256,7 +259,8 @@ def _sweep(problem: _Problem, state: _SweepState) -> _SweepState:
     sub = jnp.minimum(picked, m - 1)
     res = grid_pass(data, problem.query_pos[sub], picked < m, domain=problem.domain, grid=grid, reach=2,
                     k=problem.k, tiles=problem.size.compacted, order=problem.order,
-                    query_grid_pos=None if problem.query_grid_pos is None else problem.query_grid_pos[sub])
+                    query_grid_pos=None if problem.query_grid_pos is None else problem.query_grid_pos[sub],
+                    labels=problem.order)
     done = jnp.where((picked < m) & res.certified, picked, m)
     active = state.active.at[done].set(False, mode="drop")
     tried = state.tried.at[picked].set(True, mode="drop")
@@ -295,7 +299,7 @@ class _Best(NamedTuple):
 
 class _DataTiles(NamedTuple):
     """The data in tie-break order, cut into brute-force tiles: positions `(tiles, tile, d)`, valid `(tiles, tile)`,
-    original rows `(tiles, tile)`."""
+    the rows' ``order`` labels `(tiles, tile)`."""
 
     pos: jax.Array
     valid: jax.Array
@@ -311,17 +315,39 @@ def _brute_force(problem: _Problem, active: jax.Array, *,
                  into: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Replace the results ``into`` of the ``active`` queries by a scan over all data in tie-break order, in chunks of
     ``brute_queries`` queries against tiles of ``brute_tile`` rows (at most ``_BRUTE_FEW`` active queries: one
-    chunk of that many, against tiles as much larger); also the steps run."""
-    n = problem.pos.shape[0]
+    chunk of that many, against tiles as much larger); also the steps run.
+
+    The results never pass through a conditional (XLA gives a conditional's outputs buffers of their own, so an
+    ``(m, k)`` result carried through one is copied: 72 bytes per query at k = 9): a conditional prepares the data
+    in tie-break order only when a query is left, and the chunks run in loops whose trip counts are 0 otherwise."""
+    n, dim = problem.pos.shape
     m = problem.query_pos.shape[0]
     tile, chunk = min(problem.size.brute_tile, n), min(problem.size.brute_queries, m)
     num_active = jnp.sum(active, dtype=jnp.int32)
-    init = vary_like(_Best(*into), problem.query_pos)
+    few = min(chunk, _BRUTE_FEW)
+    # The few-query chunk's tiles: as much larger as the chunk is smaller, a whole number of the other tiles.
+    few_tile = tile if few == chunk else min(tile * (chunk // few), -(-n // tile) * tile)
+    length = -(-n // few_tile) * few_tile  # rows of both tilings (a multiple of either tile)
 
-    def scan(chunk: int, tile: int, out: _Best) -> tuple[_Best, jax.Array]:
-        todo = jnp.pad(positions_of(active, m, m), (0, chunk), constant_values=m)
-        tiles = _ordered_tiles(problem, _tie_break_order(problem), tile=tile)
-        num_tiles = tiles.pos.shape[0]
+    def prepare() -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        by_order = _tie_break_order(problem)
+        pad = length - n
+        return vary_like((jnp.pad(positions_of(active, m, m), (0, chunk), constant_values=m),
+                          jnp.pad(problem.pos[by_order], ((0, pad), (0, 0))),
+                          jnp.pad(problem.data_valid[by_order], (0, pad)),
+                          jnp.pad(problem.order[by_order], (0, pad))), problem.query_pos)
+
+    def skip() -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        return vary_like((jnp.full((m + chunk,), m, jnp.int32), jnp.zeros((length, dim), problem.pos.dtype),
+                          jnp.zeros((length,), bool), jnp.zeros((length,), jnp.int32)), problem.query_pos)
+
+    # Nothing left (uniform data, nearly always): no tie-break sort of the data, and no chunk runs.
+    todo, pos, valid, rows = lax.cond(num_active > 0, prepare, skip)
+
+    def scan(chunk: int, tile: int, trips: jax.Array, out: _Best) -> tuple[_Best, jax.Array]:
+        num_tiles = length // tile
+        tiles = _DataTiles(pos.reshape(num_tiles, tile, dim), valid.reshape(num_tiles, tile),
+                           rows.reshape(num_tiles, tile))
 
         def run_chunk(c: jax.Array, out: _Best) -> _Best:
             qi = lax.dynamic_slice_in_dim(todo, c * chunk, chunk)
@@ -333,21 +359,15 @@ def _brute_force(problem: _Problem, active: jax.Array, *,
             return _Best(out.dist2.at[qi].set(best.dist2, mode="drop"),
                          out.rows.at[qi].set(best.rows, mode="drop"))
 
-        num_chunks = (num_active + chunk - 1) // chunk
-        return lax.fori_loop(0, num_chunks, run_chunk, out), num_chunks * (1 + num_tiles)
+        return lax.fori_loop(0, trips, run_chunk, out), trips * (1 + num_tiles)
 
-    few = min(chunk, _BRUTE_FEW)
+    out = vary_like(_Best(*into), problem.query_pos)
     if few == chunk:
-        branches = [functools.partial(scan, chunk, tile)]
+        out, steps = scan(chunk, tile, (num_active + chunk - 1) // chunk, out)
     else:
-        branches = [functools.partial(scan, few, min(tile * (chunk // few), n)), functools.partial(scan, chunk, tile)]
-
-    def nothing(out: _Best) -> tuple[_Best, jax.Array]:
-        return out, vary_like(jnp.zeros((), jnp.int32), num_active)
-
-    # Nothing left (uniform data, nearly always): no tie-break sort of the data and no tiles.
-    pick = jnp.where(num_active == 0, 0, jnp.where(num_active <= few, 1, len(branches)))
-    out, steps = lax.switch(pick, [nothing, *branches], init)
+        out, few_steps = scan(few, few_tile, ((num_active > 0) & (num_active <= few)).astype(jnp.int32), out)
+        out, chunk_steps = scan(chunk, tile, jnp.where(num_active > few, (num_active + chunk - 1) // chunk, 0), out)
+        steps = few_steps + chunk_steps
     return out.dist2, out.rows, steps
 
 
@@ -358,16 +378,6 @@ def _tie_break_order(problem: _Problem) -> jax.Array:
     _, by_order = lax.sort((jnp.where(problem.data_valid, problem.order, jnp.iinfo(jnp.int32).max),
                             jnp.arange(n, dtype=jnp.int32)), num_keys=1, is_stable=True)
     return by_order
-
-
-def _ordered_tiles(problem: _Problem, by_order: jax.Array, *, tile: int) -> _DataTiles:
-    """The data in tie-break order (``by_order``), padded to whole tiles of ``tile`` rows."""
-    n, dim = problem.pos.shape
-    num_tiles = -(-n // tile)
-    pad = num_tiles * tile - n
-    return _DataTiles(pos=jnp.pad(problem.pos[by_order], ((0, pad), (0, 0))).reshape(num_tiles, tile, dim),
-                      valid=jnp.pad(problem.data_valid[by_order], (0, pad)).reshape(num_tiles, tile),
-                      rows=jnp.pad(by_order, (0, pad)).reshape(num_tiles, tile))
 
 
 def _scan_tile(tiles: _DataTiles, qp: jax.Array, domain: Domain, k: int, t: jax.Array, best: _Best) -> _Best:
@@ -381,28 +391,20 @@ def _scan_tile(tiles: _DataTiles, qp: jax.Array, domain: Domain, k: int, t: jax.
     return _Best(-neg, jnp.take_along_axis(both_rows, pick, axis=1))
 
 
-def _order_ties(dist2: jax.Array, rows: jax.Array, order: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Order equal distances within each result row by ``order``: only the rows with a tie are sorted (all rows when
-    more than ``m / 16`` have one)."""
+def _order_ties(dist2: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Order equal distances within each result row by label: only the rows with a tie are sorted, in chunks of
+    ``max(1024, m / 16)`` rows (a loop of no step when no row has one; no conditional carries the results)."""
     m = dist2.shape[0]
     tied = jnp.any((dist2[:, 1:] == dist2[:, :-1]) & jnp.isfinite(dist2[:, 1:]), axis=1)
     count = jnp.sum(tied, dtype=jnp.int32)
     few = min(m, max(1024, m // 16))
 
-    def resort(d2: jax.Array, r: jax.Array) -> tuple[jax.Array, jax.Array]:
-        d2, _, r = lax.sort((d2, order[jnp.maximum(r, 0)], r), dimension=1, num_keys=2)
-        return d2, r
-
-    def some(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def chunk(c: jax.Array, args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         d2, r = args
-        which = positions_of(tied, few, m)
-        sub_d2, sub_r = resort(d2[jnp.minimum(which, m - 1)], r[jnp.minimum(which, m - 1)])
+        rank = jnp.cumsum(tied, dtype=jnp.int32) - 1
+        which = positions_of(tied & (rank // few == c), few, m)
+        at = jnp.minimum(which, m - 1)
+        sub_d2, sub_r = lax.sort((d2[at], r[at]), dimension=1, num_keys=2)
         return d2.at[which].set(sub_d2, mode="drop"), r.at[which].set(sub_r, mode="drop")
 
-    def every(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        return resort(*args)
-
-    if few == m:
-        return lax.cond(count > 0, every, lambda args: args, (dist2, rows))
-    return lax.switch(jnp.where(count == 0, 0, jnp.where(count <= few, 1, 2)),
-                      [lambda args: args, some, every], (dist2, rows))
+    return lax.fori_loop(0, (count + few - 1) // few, chunk, (dist2, rows))

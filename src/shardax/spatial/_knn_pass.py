@@ -318,7 +318,8 @@ def sort_data(data_pos: jax.Array, data_valid: jax.Array, domain: Domain, grid: 
 
 def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, *, domain: Domain, grid: Grid,
               reach: int, k: int, tiles: Tiles, into: tuple[jax.Array, jax.Array] | None = None,
-              order: jax.Array | None = None, query_grid_pos: jax.Array | None = None) -> PassResult:
+              order: jax.Array | None = None, query_grid_pos: jax.Array | None = None,
+              labels: jax.Array | None = None) -> PassResult:
     """Answer the ``active`` queries whose result this grid certifies (see the module docstring).
 
     Args:
@@ -339,9 +340,12 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, *, doma
             search over all data in ``order`` gives); None: such a query is left uncertified.
         query_grid_pos: `(m, d)` the queries' positions on the grid, where they differ from ``query_pos`` (a
             device's piece unwrapped, see :class:`~shardax.spatial._grid.Piece`).
+        labels: `(n,)` int32 label of each data row (by original row), written to the results instead of the row
+            numbers (so a search that answers with labels needs no gather of its results at the end).
 
     Returns:
-        ``PassResult`` for every query (meaningful where ``certified``); ``rows`` are data row numbers.
+        ``PassResult`` for every query (meaningful where ``certified``); ``rows`` are data row numbers, or their
+        ``labels``.
     """
     block, capacity = tiles.block, tiles.capacity
     dim = data.pos.shape[1]
@@ -434,11 +438,12 @@ def grid_pass(data: SortedData, query_pos: jax.Array, active: jax.Array, *, doma
         # A row whose selection met too many close entries fails like an overflowing run (a finer grid suits it).
         truncated = truncated[:, None] | (exact & sel.dense)
 
+        found_rows = dperm[rows] if labels is None else labels[dperm[rows]]
         # Written straight to the input order: no sorted-order copy of the results.
         target = jnp.where(qvalid, qperm[qi], m)
         answer = target if into is None else jnp.where(ok, target, m)
         return _Answers(dist2=out.dist2.at[answer].set(best, mode="drop"),
-                        rows=out.rows.at[answer].set(dperm[rows], mode="drop"),
+                        rows=out.rows.at[answer].set(found_rows, mode="drop"),
                         certified=out.certified.at[target].set(ok, mode="drop"),
                         truncated=out.truncated.at[target].set(truncated, mode="drop"))
 
