@@ -291,7 +291,7 @@ def kth_distance_bound(pos: jax.Array, data_valid: jax.Array, *, k: int, box: ja
 
 
 class _Best(NamedTuple):
-    """The brute force's loop carry: squared distances and data rows `(queries, k)`."""
+    """The brute force's loop carry: squared distances and the neighbours' labels `(queries, k)`."""
 
     dist2: jax.Array
     rows: jax.Array

@@ -33,8 +33,8 @@ from ._knn_tuning import Tiles
 
 
 class PassResult(NamedTuple):
-    """Per query, in the query order: squared distances `(m, k)`, data rows `(m, k)`, flags `(m,)`; and the
-    sequential steps (batches) the pass ran."""
+    """Per query, in the query order: squared distances `(m, k)`, data rows (or their labels) `(m, k)`, flags
+    `(m,)`; and the sequential steps (batches) the pass ran."""
 
     dist2: jax.Array
     rows: jax.Array
@@ -284,8 +284,8 @@ def _row_offsets(dim: int, reach: int) -> list[tuple[int, ...]]:
 
 
 class _Answers(NamedTuple):
-    """A grid pass's loop carry, per query in the query order: squared distances and data rows `(m, k)`, whether
-    the answer is certified and whether a candidate run was cut off `(m,)`."""
+    """A grid pass's loop carry, per query in the query order: squared distances and data rows (or their labels)
+    `(m, k)`, whether the answer is certified and whether a candidate run was cut off `(m,)`."""
 
     dist2: jax.Array
     rows: jax.Array
